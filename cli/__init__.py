@@ -1,0 +1,1 @@
+"""Command-line entrances: launch-stack (the supervisor) and verity (clients, benches)."""

@@ -1,0 +1,228 @@
+"""launch-stack: starts the worker and the gateway, waits for READY, watches, restarts, stops.
+
+Exit codes: 0 after a clean stop, 1 when the start failed, 2 when the worker kept dying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+
+from cli.blas import blas_env
+from protocol import codec, messages as m, runtime
+
+log = logging.getLogger("verity.launch")
+START_TIMEOUT_S = 600.0  # model load and warm-up
+STOP_TIMEOUT_S = 10.0
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+RESTART_WINDOW_S = 120.0
+EXIT_START_FAILED, EXIT_WORKER_FAILING = 1, 2
+
+
+class StartFailed(Exception):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict
+    proc: Optional[subprocess.Popen] = None
+    ready: Optional[m.Ready] = None
+    failures: list[float] = field(default_factory=list)
+    restart_at: Optional[float] = None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch-stack", description="Serve one MLX model: worker + gateway.")
+    p.add_argument("--model", default="embedded", help="'embedded' (SmolLM2-135M-Instruct), a local MLX folder or a Hugging Face id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-active", type=int, default=4, help="requests decoded at once")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; past that, 429")
+    p.add_argument("--api-key", default=None, help="require this bearer token (or set VERITY_API_KEY)")
+    p.add_argument("--max-tokens-cap", type=int, default=2048)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--keepalive-s", type=float, default=5.0)
+    p.add_argument("--max-restarts", type=int, default=5, help=f"worker deaths within {RESTART_WINDOW_S:.0f}s before giving up")
+    p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
+    return p.parse_args(argv)
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        self.runtime_dir = tempfile.mkdtemp(prefix="verity-", dir=base if os.path.isdir(base) else None)
+        os.chmod(self.runtime_dir, 0o700)
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(runtime.endpoint(self.runtime_dir, runtime.SUPERVISOR))
+        self.to_gateway = self.ctx.socket(zmq.PUSH)
+        self.to_gateway.setsockopt(zmq.LINGER, 0)
+        self.to_gateway.connect(runtime.endpoint(self.runtime_dir, runtime.GATEWAY_CONTROL))
+        self.decoder = codec.supervisor_decoder()
+        self.death_r, self.death_w = os.pipe()  # children see EOF when this process dies
+        self.stopping = False
+        self.children = {c.name: c for c in self._children()}
+
+    def _children(self) -> list[Child]:
+        a, py = self.args, sys.executable
+        base = {**os.environ, runtime.PARENT_FD_ENV: str(self.death_r)}
+        key = a.api_key or os.environ.get("VERITY_API_KEY")
+        gw_env = {**base, "VERITY_API_KEY": key} if key else {k: v for k, v in base.items() if k != "VERITY_API_KEY"}
+        worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
+                                  "--max-active", str(a.max_active), "--queue-size", str(a.queue_size)], blas_env(base))
+        gateway = Child("gateway", [py, "-m", "gateway", "--runtime-dir", self.runtime_dir, "--host", a.host,
+                                    "--port", str(a.port), "--max-active", str(a.max_active),
+                                    "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),
+                                    "--max-body-bytes", str(a.max_body_bytes), "--keepalive-s", str(a.keepalive_s),
+                                    "--drain-timeout-s", str(a.drain_timeout_s)], gw_env)
+        return [worker, gateway]
+
+    def spawn(self, c: Child) -> None:
+        c.ready, c.restart_at = None, None
+        c.proc = subprocess.Popen(c.argv, env=c.env, pass_fds=(self.death_r,))
+        log.info("started %s (pid %d)", c.name, c.proc.pid)
+
+    # ---- start ----
+
+    def start(self) -> None:
+        for c in self.children.values():
+            self.spawn(c)
+        deadline = time.monotonic() + self.args.start_timeout_s
+        while not all(c.ready for c in self.children.values()):
+            if self.stopping:
+                raise StartFailed("interrupted during start-up")
+            for c in self.children.values():
+                code = c.proc.poll()
+                if code is not None:
+                    raise StartFailed(f"{c.name} exited with code {code} during start-up")
+            if time.monotonic() > deadline:
+                waiting = [c.name for c in self.children.values() if not c.ready]
+                raise StartFailed(f"no READY from {', '.join(waiting)} within {self.args.start_timeout_s:.0f}s")
+            self._receive(timeout_ms=100)
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        try:
+            msg = self.decoder.decode(self.inbox.recv())
+        except codec.DecodeError as e:
+            log.error("dropped an undecodable message: %s", e)
+            return
+        if not isinstance(msg, m.Ready):
+            return
+        c = self.children.get(msg.process)
+        if c is None or c.proc is None or msg.pid != c.proc.pid:
+            return
+        if msg.protocol_version != m.PROTOCOL_VERSION:
+            raise StartFailed(f"{c.name} speaks protocol {msg.protocol_version}, launch-stack {m.PROTOCOL_VERSION}")
+        c.ready = msg
+        log.info("%s ready (pid %d)", c.name, msg.pid)
+        self._tell_gateway_about_worker()
+
+    def _tell_gateway_about_worker(self) -> None:
+        worker, gateway = self.children["worker"], self.children["gateway"]
+        if worker.ready and gateway.ready:
+            self.to_gateway.send(codec.encode(worker.ready))
+
+    # ---- watch ----
+
+    def watch(self) -> int:
+        while not self.stopping:
+            self._receive(timeout_ms=100)
+            now = time.monotonic()
+            for c in self.children.values():
+                if c.restart_at is not None:
+                    if now >= c.restart_at:
+                        self.spawn(c)
+                    continue
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                log.error("%s (pid %d) exited with code %d", c.name, c.proc.pid, code)
+                if c.name == "worker":
+                    self.to_gateway.send(codec.encode(m.WorkerDown(c.proc.pid, code)))
+                c.failures = [t for t in c.failures if now - t < RESTART_WINDOW_S] + [now]
+                if len(c.failures) > self.args.max_restarts:
+                    log.error("%s died %d times within %.0fs; giving up", c.name, len(c.failures), RESTART_WINDOW_S)
+                    return EXIT_WORKER_FAILING
+                delay = BACKOFF_S[min(len(c.failures) - 1, len(BACKOFF_S) - 1)]
+                log.info("restarting %s in %.1fs", c.name, delay)
+                c.ready, c.restart_at = None, now + delay
+        return 0
+
+    # ---- stop ----
+
+    def stop(self) -> None:
+        """Gateway first (it drains admitted requests), then the worker."""
+        gateway, worker = self.children["gateway"], self.children["worker"]
+        _terminate(gateway.proc, self.args.drain_timeout_s + STOP_TIMEOUT_S)
+        _terminate(worker.proc, STOP_TIMEOUT_S)
+        self.ctx.destroy(linger=0)
+        os.close(self.death_w)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def _terminate(proc: Optional[subprocess.Popen], timeout: float) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d did not stop within %.0fs; killing it", proc.pid, timeout)
+        proc.kill()
+        proc.wait()
+
+
+def _banner(url: str) -> str:
+    return (
+        f"\nverity is serving on {url}\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
+        "Stop with Ctrl-C.\n"
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch-stack %(levelname)s %(message)s")
+    sup = Supervisor(args)
+
+    def on_signal(signum, _frame):
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        sup.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        sup.start()
+        print(_banner(sup.children["gateway"].ready.url), flush=True)
+        code = sup.watch()
+    except StartFailed as e:
+        log.error("start failed: %s", e)
+        code = EXIT_START_FAILED
+    finally:
+        sup.stop()
+    log.info("stopped (exit %d)", code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

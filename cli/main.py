@@ -1,0 +1,21 @@
+"""verity: clients of a running stack (generate, chat) and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="verity")
+    sub = p.add_subparsers(dest="command", required=True)
+    from cli import bench, client
+
+    client.add_commands(sub)
+    bench.add_commands(sub)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

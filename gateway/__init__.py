@@ -1,0 +1,1 @@
+"""The gateway process: HTTP entrances, admission, SSE. Never imports MLX."""

@@ -1,0 +1,5 @@
+import sys
+
+from gateway.main import run_gateway
+
+sys.exit(run_gateway())

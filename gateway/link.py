@@ -1,0 +1,185 @@
+"""WorkerLink: the gateway's side of the worker sockets, admission and the admitted requests.
+
+Every admitted request is held here until it ends. Requests the worker had not started when
+it died are resubmitted to the next worker; started ones end with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+import zmq.asyncio
+
+from protocol import codec, messages as m, runtime
+
+log = logging.getLogger("verity.gateway")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class WorkerUnavailable(Exception):
+    pass
+
+
+@dataclass
+class Tracked:
+    id: str
+    submit: m.SubmitRequest
+    seq: int
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent_to: Optional[int] = None  # worker pid the job went to
+    started: bool = False
+    cancel_requested: bool = False
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+class WorkerLink:
+    def __init__(self, runtime_dir: str, max_active: int, queue_size: int):
+        self.runtime_dir = runtime_dir
+        self.capacity = max_active + queue_size
+        self.max_active = max_active
+        self.ctx = zmq.asyncio.Context()
+        self.requests: dict[str, Tracked] = {}
+        self.worker: Optional[m.Ready] = None
+        self.worker_stats: Optional[m.StatsSnapshot] = None
+        self.worker_restarts = 0
+        self._seq = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._handlers = {
+            m.EventBatch: self._on_events,
+            m.Ready: self._on_ready,
+            m.WorkerDown: self._on_worker_down,
+        }
+
+    # ---- sockets ----
+
+    def start(self) -> None:
+        ep = lambda name: runtime.endpoint(self.runtime_dir, name)  # noqa: E731
+        self.jobs = self.ctx.socket(zmq.PUSH)
+        self.jobs.bind(ep(runtime.JOBS))
+        self.control = self.ctx.socket(zmq.PUSH)
+        self.control.bind(ep(runtime.CONTROL))
+        events = self.ctx.socket(zmq.PULL)
+        events.bind(ep(runtime.EVENTS))
+        sup = self.ctx.socket(zmq.PULL)
+        sup.bind(ep(runtime.GATEWAY_CONTROL))
+        stats = self.ctx.socket(zmq.SUB)
+        stats.setsockopt(zmq.SUBSCRIBE, b"")
+        stats.connect(ep(runtime.WORKER_STATS))
+        for s in (self.jobs, self.control, events, sup, stats):
+            s.setsockopt(zmq.LINGER, 0)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(events, codec.worker_out_decoder())),
+            asyncio.create_task(self._recv_loop(sup, codec.supervisor_decoder())),
+            asyncio.create_task(self._stats_loop(stats)),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+
+    async def _recv_loop(self, sock: zmq.asyncio.Socket, dec: codec.Decoder) -> None:
+        while True:
+            data = await sock.recv()
+            try:
+                msg = dec.decode(data)
+            except codec.DecodeError as e:
+                log.error("dropped an undecodable message: %s", e)
+                continue
+            self._handlers[type(msg)](msg)
+
+    async def _stats_loop(self, sock: zmq.asyncio.Socket) -> None:
+        dec = codec.stats_decoder()
+        while True:
+            try:
+                self.worker_stats = dec.decode(await sock.recv())
+            except codec.DecodeError as e:
+                log.error("dropped undecodable stats: %s", e)
+
+    # ---- admission ----
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def admit(self, request_id: str, req: m.GenerateRequest) -> Tracked:
+        if len(self.requests) >= self.capacity:
+            raise QueueFull()
+        t = Tracked(request_id, m.SubmitRequest(request_id, req), next(self._seq))
+        self.requests[request_id] = t
+        if self.ready:
+            self._send(t)
+        return t
+
+    def cancel(self, request_id: str) -> None:
+        """Asks the worker to stop; the request stays tracked until the worker confirms."""
+        t = self.requests.get(request_id)
+        if t is None or t.cancel_requested:
+            return
+        t.cancel_requested = True
+        if t.sent_to is not None and self.worker and t.sent_to == self.worker.pid:
+            self.control.send(codec.encode(m.CancelRequest(request_id)))
+        else:  # never reached a live worker: nothing to stop there
+            self._end(t, m.Finished(request_id, "cancelled", m.RequestMetrics(mode=t.submit.request.mode)))
+
+    def waiting_count(self) -> int:
+        return sum(1 for t in self.requests.values() if not t.started)
+
+    def _send(self, t: Tracked) -> None:
+        t.sent_to = self.worker.pid
+        self.jobs.send(codec.encode(t.submit))
+
+    def _end(self, t: Tracked, event) -> None:
+        self.requests.pop(t.id, None)
+        t.events.put_nowait(event)
+
+    # ---- handlers, by message type ----
+
+    def _on_events(self, batch: m.EventBatch) -> None:
+        if self.worker is None or batch.worker_pid != self.worker.pid:
+            return  # late events of a worker that is gone
+        for ev in batch.events:
+            t = self.requests.get(ev.request_id)
+            if t is None:
+                continue
+            if isinstance(ev, m.Started):
+                t.started = True
+            if isinstance(ev, (m.Finished, m.Error)):
+                self._end(t, ev)
+            else:
+                t.events.put_nowait(ev)
+
+    def _on_ready(self, ready: m.Ready) -> None:
+        if ready.protocol_version != m.PROTOCOL_VERSION:
+            log.error("worker speaks protocol %d, gateway %d", ready.protocol_version, m.PROTOCOL_VERSION)
+            return
+        self.worker = ready
+        log.info("worker %d ready (%s); resubmitting %d waiting", ready.pid, ready.model_id, self.waiting_count())
+        for t in sorted(self.requests.values(), key=lambda t: t.seq):
+            if t.cancel_requested and not t.started:
+                self._end(t, m.Finished(t.id, "cancelled", m.RequestMetrics(mode=t.submit.request.mode)))
+            elif not t.started:
+                self._send(t)
+
+    def _on_worker_down(self, down: m.WorkerDown) -> None:
+        if self.worker is not None and down.pid != self.worker.pid:
+            return
+        self.worker = None
+        self.worker_stats = None
+        self.worker_restarts += 1
+        log.warning("worker %d exited with %d", down.pid, down.exit_code)
+        for t in list(self.requests.values()):
+            if t.started:
+                self._end(t, m.Error(t.id, "worker_died", f"the worker process died (exit code {down.exit_code}) while generating this response", 503))
+            else:
+                t.sent_to = None  # resubmitted when the next worker is ready

@@ -1,0 +1,48 @@
+"""msgpack codec for the sockets: one typed decoder per message union."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol import messages as m
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Decoder:
+    """Decodes only the message types of one socket; anything else raises DecodeError."""
+
+    def __init__(self, kind: Any):
+        self._dec = msgspec.msgpack.Decoder(kind)
+
+    def decode(self, data: bytes) -> Any:
+        return self._dec.decode(data)
+
+
+DecodeError = msgspec.DecodeError  # ValidationError is a subclass
+
+
+def job_decoder() -> Decoder:
+    return Decoder(m.SubmitRequest)
+
+
+def control_decoder() -> Decoder:
+    return Decoder(m.CancelRequest)
+
+
+def worker_out_decoder() -> Decoder:
+    return Decoder(m.WorkerOutMessage)
+
+
+def supervisor_decoder() -> Decoder:
+    return Decoder(m.SupervisorMessage)
+
+
+def stats_decoder() -> Decoder:
+    return Decoder(m.StatsSnapshot)

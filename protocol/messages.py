@@ -1,0 +1,183 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Wire messages are tagged by class name so one decoder per socket dispatches by type.
+Nothing here imports MLX or aiohttp.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["system", "user", "assistant"]
+Mode = Literal["baseline", "joint"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+# ---- the one request schema (CLI, web UI and OpenAI API all send this) ----
+
+
+class Message(Struct, forbid_unknown_fields=True):
+    role: Role
+    content: str
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenAI chat/completions fields verity implements, plus its own extensions.
+
+    Exactly one of `messages` (chat) and `prompt` (raw completion) is set.
+    Range rules live in protocol.schema.check_request.
+    """
+
+    model: Optional[str] = None
+    messages: Optional[list[Message]] = None
+    prompt: Optional[str] = None
+    max_tokens: Optional[Annotated[int, Meta(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[int, Meta(ge=1)]] = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    mode: Mode = "baseline"
+    thinking: Optional[bool] = None
+    ignore_eos: bool = False
+    # OpenAI fields accepted only at their neutral values
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: Optional[str] = None
+
+
+# ---- gateway -> worker ----
+
+
+class SubmitRequest(Struct, tag=True):
+    request_id: str
+    request: GenerateRequest  # normalized by protocol.schema (max_tokens resolved, stop a list)
+
+
+class CancelRequest(Struct, tag=True):
+    request_id: str
+
+
+# ---- handshake and supervision ----
+
+
+class Ready(Struct, tag=True):
+    process: str  # "worker" | "gateway" | "cache"
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+    model_id: str = ""
+    cache_identity: str = ""
+    context_limit: int = 0
+    joint_available: bool = False
+    draft_id: Optional[str] = None
+    url: str = ""
+
+
+class WorkerDown(Struct, tag=True):
+    """launch-stack -> gateway: the worker process exited."""
+
+    pid: int
+    exit_code: int
+
+
+# ---- worker -> gateway events ----
+
+
+class RequestMetrics(Struct):
+    """The `metrics` extension object. Keys and types are fixed."""
+
+    mode: str = "baseline"
+    draft: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rollbacks: int = 0
+    ttft_s: float = 0.0
+    decode_tps: float = 0.0
+    recovery_s: float = 0.0
+    budget_mean: float = 0.0
+
+
+class Queued(Struct, tag=True):
+    """The worker tokenized and queued the request."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class Started(Struct, tag=True):
+    """The request left the waiting line: it will not be resubmitted."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class TextDelta(Struct, tag=True):
+    request_id: str
+    text: str
+    token_ids: list[int]
+
+
+class Finished(Struct, tag=True):
+    request_id: str
+    finish_reason: FinishReason
+    metrics: RequestMetrics
+
+
+class Error(Struct, tag=True):
+    """A request-level failure. `status` is the HTTP status it maps to."""
+
+    request_id: str
+    code: str
+    message: str
+    status: int = 500
+    param: Optional[str] = None
+
+
+Event = Union[Queued, Started, TextDelta, Finished, Error]
+
+
+class EventBatch(Struct, tag=True):
+    """All events of one engine step, sent as one message."""
+
+    worker_pid: int
+    events: list[Event]
+
+
+class StatsSnapshot(Struct, tag=True):
+    process: str
+    pid: int
+    time: float
+    queue_depth: int = 0
+    active: int = 0
+    requests_total: int = 0
+    requests_finished: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    tokens_per_s: float = 0.0
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+
+# One union per socket direction: decoders reject anything else.
+JobMessage = SubmitRequest
+ControlMessage = CancelRequest
+WorkerOutMessage = Union[Ready, EventBatch]
+SupervisorMessage = Union[Ready, WorkerDown]
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "msgspec")]

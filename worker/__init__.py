@@ -1,0 +1,1 @@
+"""The worker process: the only part of verity that imports MLX."""

@@ -1,0 +1,238 @@
+"""The model loop: a bounded FIFO of requests, decoded interleaved, one token per request a step.
+
+No sockets here: `submit` and `cancel` are plain calls that any thread may make, `step` runs on
+the one MLX thread and returns the events it produced. worker/proc.py moves them over sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from protocol import messages as m
+from worker.loader import LoadedModel
+from worker.sampling import make_request_sampler
+from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
+
+
+@dataclass
+class EngineConfig:
+    max_active: int = 4  # requests decoded at once
+    max_waiting: int = 64  # requests queued behind them; the gateway bounds it first
+    prefill_step: int = 512
+
+
+class RequestError(Exception):
+    """A request the worker refuses before it is queued (maps to an HTTP status)."""
+
+    def __init__(self, code: str, message: str, status: int = 400, param: Optional[str] = None):
+        super().__init__(message)
+        self.code, self.message, self.status, self.param = code, message, status, param
+
+
+@dataclass
+class _Request:
+    id: str
+    req: m.GenerateRequest
+    prompt: list[int]
+    received: float
+    gen: Optional[Iterator] = None
+    detok: Optional[StreamingDetokenizer] = None
+    stop: Optional[StopMatcher] = None
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+
+@dataclass
+class _Totals:
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # token timestamps
+
+
+def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
+    """Identity under which cached state is valid (per-request thinking mode is mixed in later)."""
+    parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.lm, self.config = lm, config
+        self.eos_ids = set(lm.tokenizer.eos_token_ids)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._cancels: set[str] = set()
+        self._active: list[_Request] = []
+        self.totals = _Totals()
+
+    # ---- any thread ----
+
+    def submit(self, request_id: str, req: m.GenerateRequest) -> int:
+        """Tokenizes and queues a request; returns its prompt length or raises RequestError."""
+        if req.mode == "joint":
+            raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none (start launch-stack with --draft)", param="mode")
+        try:
+            prompt = render_prompt(self.lm.tokenizer, req)
+        except Exception as e:  # a template may raise on odd conversations
+            raise RequestError("invalid_prompt", f"the prompt could not be rendered: {e}", param="messages") from None
+        if not prompt:
+            raise RequestError("invalid_prompt", "the prompt is empty after tokenization", param="prompt")
+        if len(prompt) >= self.lm.context_limit:
+            raise RequestError(
+                "context_length_exceeded",
+                f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
+                param="messages" if req.messages is not None else "prompt",
+            )
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise RequestError("queue_full", "the worker's waiting line is full", status=429)
+            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter()))
+            self.totals.requests += 1
+            self._lock.notify()
+        return len(prompt)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+            self._lock.notify()
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self._lock:
+            if not self.has_work():
+                self._lock.wait(timeout)
+            return self.has_work()
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._waiting or self._cancels)
+
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def stats(self, pid: int) -> m.StatsSnapshot:
+        t = self.totals
+        now = time.perf_counter()
+        recent = [x for x in list(t.recent) if now - x < 5.0]
+        tps = (len(recent) - 1) / (now - recent[0]) if len(recent) > 1 and now > recent[0] else 0.0
+        return m.StatsSnapshot(
+            process="worker", pid=pid, time=time.time(), queue_depth=len(self._waiting),
+            active=len(self._active), requests_total=t.requests, requests_finished=t.finished,
+            prompt_tokens_total=t.prompt_tokens, generated_tokens_total=t.generated_tokens,
+            tokens_per_s=tps,
+        )
+
+    # ---- the MLX thread ----
+
+    def step(self) -> list:
+        """Applies cancels, admits waiting requests, decodes one token for each active one."""
+        events: list = []
+        self._apply_cancels(events)
+        self._admit(events)
+        for r in list(self._active):
+            try:
+                token = next(r.gen)[0]
+            except StopIteration:
+                self._finish(r, "length", events)
+                continue
+            except Exception as e:  # a failure of one request must not take the others down
+                self._fail(r, e, events)
+                continue
+            self._on_token(r, token, events)
+        return events
+
+    def _apply_cancels(self, events: list) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            waiting = [r for r in self._waiting if r.id in cancels]
+            for r in waiting:
+                self._waiting.remove(r)
+        for r in waiting:
+            events.append(m.Finished(r.id, "cancelled", self._metrics(r)))
+        for r in [r for r in self._active if r.id in cancels]:
+            self._finish(r, "cancelled", events)
+
+    def _admit(self, events: list) -> None:
+        while len(self._active) < self.config.max_active:
+            with self._lock:
+                if not self._waiting:
+                    return
+                r = self._waiting.popleft()
+            req = r.req
+            r.gen = generate_step(
+                mx.array(r.prompt), self.lm.model, max_tokens=-1,
+                sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
+                prefill_step_size=self.config.prefill_step,
+            )
+            r.detok = StreamingDetokenizer(self.lm.tokenizer, r.prompt)
+            r.stop = StopMatcher(req.stop)
+            self.totals.prompt_tokens += len(r.prompt)
+            self._active.append(r)
+            events.append(m.Started(r.id, len(r.prompt)))
+
+    def _on_token(self, r: _Request, token: int, events: list) -> None:
+        now = time.perf_counter()
+        if not r.tokens:
+            r.first_token_at = now
+        r.last_token_at = now
+        r.tokens.append(token)
+        self.totals.generated_tokens += 1
+        self.totals.recent.append(now)
+        if token in self.eos_ids and not r.req.ignore_eos:
+            return self._finish(r, "stop", events)
+        text, stopped = r.stop.feed(r.detok.add(token))
+        if text or not stopped:
+            events.append(m.TextDelta(r.id, text, [token]))
+        if stopped:
+            return self._finish(r, "stop", events, flush=False)
+        if len(r.tokens) >= r.req.max_tokens or len(r.prompt) + len(r.tokens) >= self.lm.context_limit:
+            self._finish(r, "length", events)
+
+    def _finish(self, r: _Request, reason: str, events: list, flush: bool = True) -> None:
+        if flush and r.detok is not None:
+            text, stopped = r.stop.feed(r.detok.flush())
+            tail = text if stopped else text + r.stop.flush()
+            if tail:
+                events.append(m.TextDelta(r.id, tail, []))
+        self._release(r)
+        events.append(m.Finished(r.id, reason, self._metrics(r)))
+
+    def _fail(self, r: _Request, exc: Exception, events: list) -> None:
+        self._release(r)
+        events.append(m.Error(r.id, "generation_failed", f"generation failed: {type(exc).__name__}: {exc}", 500))
+
+    def _release(self, r: _Request) -> None:
+        if r in self._active:
+            self._active.remove(r)
+        if r.gen is not None:
+            r.gen.close()
+            r.gen = None
+        self.totals.finished += 1
+
+    def _metrics(self, r: _Request) -> m.RequestMetrics:
+        n = len(r.tokens)
+        span = r.last_token_at - r.first_token_at
+        return m.RequestMetrics(
+            mode=r.req.mode, prompt_tokens=len(r.prompt), completion_tokens=n,
+            cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
+            decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
+        )
+
+    def warmup(self) -> None:
+        """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""
+        req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=4, temperature=0.0)
+        self.submit("warmup", req)
+        while self.has_work():
+            self.step()
+        t = self.totals
+        t.requests = t.finished = t.prompt_tokens = t.generated_tokens = 0
+        t.recent.clear()

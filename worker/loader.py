@@ -1,0 +1,114 @@
+"""Loads the served model: the embedded GGUF, a local MLX folder, or a Hugging Face id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+EMBEDDED = "embedded"
+DEFAULT_CONTEXT_LIMIT = 4096
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    model_id: str  # the name /v1/models serves
+    revision: str  # cheap identity: never a hash of all the weights
+    quantization: str
+    context_limit: int
+    chat_template: Optional[str]
+
+
+def on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def load_model(spec: str = EMBEDDED) -> LoadedModel:
+    if spec == EMBEDDED:
+        return _load_embedded()
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _load_folder(path, path.resolve().name)
+    from mlx_lm.utils import hf_repo_to_path  # a user's own machine may fetch it
+
+    return _load_folder(Path(hf_repo_to_path(spec)), spec)
+
+
+def _load_embedded() -> LoadedModel:
+    from worker.gguf import embedded_gguf_path, load_gguf
+
+    path = embedded_gguf_path()
+    model, tokenizer, info = load_gguf(path, quantized=on_gpu())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=info["model_id"],
+        revision=file_identity(path),
+        quantization=info["quantization"],
+        context_limit=int(info["context_limit"]),
+        chat_template=info.get("chat_template"),
+    )
+
+
+def _load_folder(path: Path, model_id: str) -> LoadedModel:
+    from mlx_lm.utils import load
+
+    model, tokenizer, config = load(str(path), return_config=True)
+    quant = config.get("quantization")
+    if not on_gpu() and not quant:
+        model.set_dtype(mx.float32)  # float32 is the fast dtype on CPU
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        revision=folder_identity(path),
+        quantization=f"q{quant['bits']}g{quant['group_size']}" if quant else str(_dtype_of(model)),
+        context_limit=int(_context_limit(config)),
+        chat_template=getattr(tokenizer, "chat_template", None),
+    )
+
+
+def _context_limit(config: dict) -> int:
+    text = config.get("text_config", config)
+    return text.get("max_position_embeddings") or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LIMIT
+
+
+def _dtype_of(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    return str(tree_flatten(model.parameters())[0][1].dtype).replace("mlx.core.", "")
+
+
+def folder_identity(path: Path) -> str:
+    """Hash of config, tokenizer config, safetensors headers and file sizes."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+        if f.suffix == ".json" and f.stat().st_size < 50_000_000:
+            h.update(f.read_bytes())
+        elif f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                h.update(fh.read(min(n, 100_000_000)))
+    return h.hexdigest()[:16]
+
+
+def file_identity(path: Path) -> str:
+    """Hash of a single weights file's name, size and first MiB."""
+    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}\n".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def describe(lm: LoadedModel) -> str:
+    return json.dumps({"model": lm.model_id, "revision": lm.revision, "quantization": lm.quantization})

@@ -1,0 +1,164 @@
+"""WorkerProc: the process around the engine. Sockets, IO threads, READY, signals.
+
+The MLX thread (the main thread) runs only the engine loop. IO threads move bytes: jobs in
+(tokenized and queued from that thread, so a reply comes without waiting for a step), cancels in
+(applied at once as a flag), events and stats out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from protocol import codec, messages as m, runtime
+from worker.engine import Engine, EngineConfig, RequestError, cache_identity
+from worker.loader import EMBEDDED, LoadedModel, load_model
+
+log = logging.getLogger("verity.worker")
+STATS_INTERVAL_S = 0.5
+IDLE_WAIT_S = 0.5
+POLL_MS = 200
+
+
+class WorkerProc:
+    def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str):
+        self.engine, self.lm, self.pid = engine, lm, os.getpid()
+        self.ctx = zmq.Context()
+        self.runtime_dir = runtime_dir
+        self.outbox: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+
+    def _socket(self, kind: int, name: str, bind: bool = False) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 1000)
+        addr = runtime.endpoint(self.runtime_dir, name)
+        sock.bind(addr) if bind else sock.connect(addr)
+        return sock
+
+    def ready_message(self) -> m.Ready:
+        return m.Ready(
+            process="worker", pid=self.pid, model_id=self.lm.model_id,
+            cache_identity=cache_identity(self.lm), context_limit=self.lm.context_limit,
+            joint_available=False, draft_id=None,
+        )
+
+    def run(self) -> int:
+        threads = [
+            threading.Thread(target=self._jobs_loop, name="jobs", daemon=True),
+            threading.Thread(target=self._control_loop, name="control", daemon=True),
+            threading.Thread(target=self._events_loop, name="events", daemon=True),
+            threading.Thread(target=self._stats_loop, name="stats", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        sup = self._socket(zmq.PUSH, runtime.SUPERVISOR)
+        sup.send(codec.encode(self.ready_message()))
+        sup.close()
+        log.info("worker %d ready: %s", self.pid, self.lm.model_id)
+        try:
+            self._engine_loop()
+        finally:
+            self.stopping.set()
+            for t in threads:
+                t.join(timeout=2)
+            self.ctx.term()
+        return 0
+
+    def _engine_loop(self) -> None:
+        while not self.stopping.is_set():
+            if not self.engine.wait_for_work(IDLE_WAIT_S):
+                continue
+            events = self.engine.step()
+            if events:
+                self.outbox.put(m.EventBatch(self.pid, events))
+
+    def _jobs_loop(self) -> None:
+        sock, dec = self._socket(zmq.PULL, runtime.JOBS), codec.job_decoder()
+        while not self.stopping.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            try:
+                job = dec.decode(sock.recv())
+            except codec.DecodeError as e:
+                log.error("dropped an undecodable job: %s", e)
+                continue
+            try:
+                n = self.engine.submit(job.request_id, job.request)
+                event = m.Queued(job.request_id, n)
+                log.info("[%s] queued: %d prompt tokens", job.request_id, n)
+            except RequestError as e:
+                event = m.Error(job.request_id, e.code, e.message, e.status, e.param)
+                log.info("[%s] refused: %s", job.request_id, e.code)
+            self.outbox.put(m.EventBatch(self.pid, [event]))
+        sock.close()
+
+    def _control_loop(self) -> None:
+        sock, dec = self._socket(zmq.PULL, runtime.CONTROL), codec.control_decoder()
+        while not self.stopping.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            try:
+                msg = dec.decode(sock.recv())
+            except codec.DecodeError as e:
+                log.error("dropped an undecodable control message: %s", e)
+                continue
+            log.info("[%s] cancel", msg.request_id)
+            self.engine.cancel(msg.request_id)
+        sock.close()
+
+    def _events_loop(self) -> None:
+        sock = self._socket(zmq.PUSH, runtime.EVENTS)
+        while not (self.stopping.is_set() and self.outbox.empty()):
+            try:
+                batch = self.outbox.get(timeout=POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            sock.send(codec.encode(batch))
+        sock.close()
+
+    def _stats_loop(self) -> None:
+        sock = self._socket(zmq.PUB, runtime.WORKER_STATS, bind=True)
+        while not self.stopping.wait(STATS_INTERVAL_S):
+            sock.send(codec.encode(self.engine.stats(self.pid)))
+        sock.close()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verity-worker")
+    p.add_argument("--runtime-dir", required=True)
+    p.add_argument("--model", default=EMBEDDED)
+    p.add_argument("--max-active", type=int, default=4)
+    p.add_argument("--queue-size", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def run_worker(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    runtime.watch_parent(lambda: os._exit(1))
+    lm = _load_with_progress(args.model)
+    engine = Engine(lm, EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active))
+    engine.warmup()
+    proc = WorkerProc(engine, lm, args.runtime_dir)
+    signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
+    return proc.run()
+
+
+def _load_with_progress(spec: str) -> LoadedModel:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    with console.status(f"[bold]worker: loading {spec}…"):
+        lm = load_model(spec)
+    console.print(f"worker: loaded {lm.model_id} ({lm.quantization}) in {time.perf_counter() - t0:.1f}s; warming up")
+    return lm

@@ -1,0 +1,84 @@
+"""Prompt rendering and the text side of generation: stop strings over streamed text."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from protocol.messages import GenerateRequest
+
+
+def render_prompt(tokenizer, req: GenerateRequest) -> list[int]:
+    """Token ids of the request's prompt: the chat template for messages, raw text otherwise."""
+    if req.messages is None:
+        return list(tokenizer.encode(req.prompt))
+    msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+    kwargs = {} if req.thinking is None else {"enable_thinking": req.thinking}
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper would force a thinking default
+    text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back only a tail that may start one."""
+
+    def __init__(self, stops: Optional[list[str]]):
+        self.stops = stops or []
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        keep = self._partial_tail(buf)
+        self.pending = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+class StreamingDetokenizer:
+    """Incremental decoding that never splits a UTF-8 character.
+
+    Decodes a short window twice (with and without the newest tokens) and emits the
+    difference, as TGI and vLLM do; the prompt's last tokens seed the window so that a
+    continuation keeps its leading space.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self._decode = getattr(tokenizer, "_tokenizer", tokenizer).decode
+        self.ids = list(prompt[-self.CONTEXT :])
+        self.prefix, self.read = 0, len(self.ids)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before) :]
+        return ""
