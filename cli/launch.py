@@ -107,33 +107,35 @@ class Supervisor:
         while not all(c.ready for c in self.children.values()):
             if self.stopping:
                 raise StartFailed("interrupted during start-up")
+            while self._receive(timeout_ms=0):
+                pass
             for c in self.children.values():
                 code = c.proc.poll()
-                if code is not None:
+                if code is not None and not c.ready:  # one that died after READY is watch()'s
                     raise StartFailed(f"{c.name} exited with code {code} during start-up")
             if time.monotonic() > deadline:
                 waiting = [c.name for c in self.children.values() if not c.ready]
                 raise StartFailed(f"no READY from {', '.join(waiting)} within {self.args.start_timeout_s:.0f}s")
             self._receive(timeout_ms=100)
 
-    def _receive(self, timeout_ms: int) -> None:
+    def _receive(self, timeout_ms: int) -> bool:
+        """Handles one message from a child, if one comes within the timeout."""
         if not self.inbox.poll(timeout_ms):
-            return
+            return False
         try:
             msg = self.decoder.decode(self.inbox.recv())
         except codec.DecodeError as e:
             log.error("dropped an undecodable message: %s", e)
-            return
-        if not isinstance(msg, m.Ready):
-            return
-        c = self.children.get(msg.process)
+            return True
+        c = self.children.get(msg.process) if isinstance(msg, m.Ready) else None
         if c is None or c.proc is None or msg.pid != c.proc.pid:
-            return
+            return True
         if msg.protocol_version != m.PROTOCOL_VERSION:
             raise StartFailed(f"{c.name} speaks protocol {msg.protocol_version}, launch-stack {m.PROTOCOL_VERSION}")
         c.ready = msg
         log.info("%s ready (pid %d)", c.name, msg.pid)
         self._tell_gateway_about_worker()
+        return True
 
     def _tell_gateway_about_worker(self) -> None:
         worker, gateway = self.children["worker"], self.children["gateway"]

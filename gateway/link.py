@@ -121,7 +121,7 @@ class WorkerLink:
             self._send(t)
         return t
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, reason: str = "the request was cancelled") -> None:
         """Asks the worker to stop; the request stays tracked until the worker confirms."""
         t = self.requests.get(request_id)
         if t is None or t.cancel_requested:
@@ -130,7 +130,7 @@ class WorkerLink:
         if t.sent_to is not None and self.worker and t.sent_to == self.worker.pid:
             self.control.send(codec.encode(m.CancelRequest(request_id)))
         else:  # never reached a live worker: nothing to stop there
-            self._end(t, m.Finished(request_id, "cancelled", m.RequestMetrics(mode=t.submit.request.mode)))
+            self._end(t, m.Error(request_id, "cancelled", reason, 503))
 
     def waiting_count(self) -> int:
         return sum(1 for t in self.requests.values() if not t.started)
@@ -167,7 +167,7 @@ class WorkerLink:
         log.info("worker %d ready (%s); resubmitting %d waiting", ready.pid, ready.model_id, self.waiting_count())
         for t in sorted(self.requests.values(), key=lambda t: t.seq):
             if t.cancel_requested and not t.started:
-                self._end(t, m.Finished(t.id, "cancelled", m.RequestMetrics(mode=t.submit.request.mode)))
+                self._end(t, m.Error(t.id, "cancelled", "the request was cancelled", 503))
             elif not t.started:
                 self._send(t)
 

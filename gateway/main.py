@@ -63,13 +63,15 @@ async def serve(config: GatewayConfig) -> int:
 
 
 async def _drain(gw: Gateway) -> None:
-    """Refuses new requests and lets admitted ones finish, up to the drain timeout."""
+    """Refuses new requests and lets admitted ones finish, up to the drain timeout.
+
+    Without a worker nothing can finish: the rest are ended at once."""
     gw.draining = True
     deadline = time.monotonic() + gw.config.drain_timeout_s
-    while gw.link.requests and time.monotonic() < deadline:
+    while gw.link.requests and gw.link.ready and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     for rid in list(gw.link.requests):
-        gw.link.cancel(rid)
+        gw.link.cancel(rid, reason="the server is shutting down")
     if gw.link.requests:
         log.warning("drain timed out with %d requests; cancelled them", len(gw.link.requests))
 

@@ -19,6 +19,7 @@ import time
 import zmq
 
 from protocol import codec, messages as m, runtime
+from worker import faults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, load_model
 
@@ -79,6 +80,7 @@ class WorkerProc:
             events = self.engine.step()
             if events:
                 self.outbox.put(m.EventBatch(self.pid, events))
+            faults.after_step()
 
     def _jobs_loop(self) -> None:
         sock, dec = self._socket(zmq.PULL, runtime.JOBS), codec.job_decoder()
@@ -90,6 +92,7 @@ class WorkerProc:
             except codec.DecodeError as e:
                 log.error("dropped an undecodable job: %s", e)
                 continue
+            faults.on_job()
             try:
                 n = self.engine.submit(job.request_id, job.request)
                 event = m.Queued(job.request_id, n)

@@ -1,0 +1,23 @@
+"""Fault injection for tests that spawn real processes (monkeypatching cannot reach them).
+
+VERITY_FAULT_STEP_DELAY_S  seconds each engine step is slowed by (a slow worker)
+VERITY_FAULT_EXIT_ON_JOB   exit code the worker dies with when a job arrives (a crashing worker)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+STEP_DELAY_S = float(os.environ.get("VERITY_FAULT_STEP_DELAY_S", "0") or 0)
+EXIT_ON_JOB = int(os.environ.get("VERITY_FAULT_EXIT_ON_JOB", "0") or 0)
+
+
+def after_step() -> None:
+    if STEP_DELAY_S:
+        time.sleep(STEP_DELAY_S)
+
+
+def on_job() -> None:
+    if EXIT_ON_JOB:
+        os._exit(EXIT_ON_JOB)
