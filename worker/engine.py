@@ -19,6 +19,9 @@ from mlx_lm.generate import generate_step
 from protocol import messages as m
 from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
+from worker.spec.draft import Drafter
+from worker.spec.joint import JointDecoder
+from worker.spec.sampling import SamplingParams
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
 
@@ -27,6 +30,8 @@ class EngineConfig:
     max_active: int = 4  # requests decoded at once
     max_waiting: int = 64  # requests queued behind them; the gateway bounds it first
     prefill_step: int = 512
+    draft_budget: int = 4  # tokens drafted per joint cycle
+    recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
 
 
 class RequestError(Exception):
@@ -43,11 +48,12 @@ class _Request:
     req: m.GenerateRequest
     prompt: list[int]
     received: float
-    gen: Optional[Iterator] = None
+    decoder: Optional["_Baseline | _Joint"] = None
     detok: Optional[StreamingDetokenizer] = None
     stop: Optional[StopMatcher] = None
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
+    done: bool = False
     last_token_at: float = 0.0
 
 
@@ -60,6 +66,43 @@ class _Totals:
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # token timestamps
 
 
+class _Baseline:
+    """mlx-lm's generate_step: pipelined one-token steps."""
+
+    def __init__(self, gen: Iterator):
+        self.gen = gen
+
+    def advance(self) -> list[int]:
+        return [next(self.gen)[0]]
+
+    def commit(self, m: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.gen.close()
+
+
+class _Joint:
+    """The joint cycle: 1 + accepted tokens per advance; commit recovers both caches."""
+
+    def __init__(self, decoder: JointDecoder, budget: int):
+        self.decoder, self.budget, self.started, self.cycled = decoder, budget, False, False
+
+    def advance(self) -> list[int]:
+        if not self.started:
+            self.started = True
+            return [self.decoder.start()]
+        self.cycled = True
+        return self.decoder.cycle(self.budget)
+
+    def commit(self, m: int) -> None:
+        if self.cycled:
+            self.decoder.commit(m)
+
+    def close(self) -> None:
+        pass
+
+
 def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     """Identity under which cached state is valid (per-request thinking mode is mixed in later)."""
     parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
@@ -67,8 +110,9 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig()):
-        self.lm, self.config = lm, config
+    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None):
+        self.lm, self.config, self.draft = lm, config, draft
+        self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
         self.eos_ids = set(lm.tokenizer.eos_token_ids)
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -80,7 +124,7 @@ class Engine:
 
     def submit(self, request_id: str, req: m.GenerateRequest) -> int:
         """Tokenizes and queues a request; returns its prompt length or raises RequestError."""
-        if req.mode == "joint":
+        if req.mode == "joint" and self.draft is None:
             raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none (start launch-stack with --draft)", param="mode")
         try:
             prompt = render_prompt(self.lm.tokenizer, req)
@@ -140,14 +184,18 @@ class Engine:
         self._admit(events)
         for r in list(self._active):
             try:
-                token = next(r.gen)[0]
-            except StopIteration:
-                self._finish(r, "length", events)
-                continue
+                tokens = r.decoder.advance()
             except Exception as e:  # a failure of one request must not take the others down
                 self._fail(r, e, events)
                 continue
-            self._on_token(r, token, events)
+            kept = 0
+            for token in tokens:
+                kept += 1
+                if self._on_token(r, token, events):
+                    break
+            r.decoder.commit(kept)
+            if r.done:
+                self._release(r)
         return events
 
     def _apply_cancels(self, events: list) -> None:
@@ -160,6 +208,7 @@ class Engine:
             events.append(m.Finished(r.id, "cancelled", self._metrics(r)))
         for r in [r for r in self._active if r.id in cancels]:
             self._finish(r, "cancelled", events)
+            self._release(r)
 
     def _admit(self, events: list) -> None:
         while len(self._active) < self.config.max_active:
@@ -167,19 +216,29 @@ class Engine:
                 if not self._waiting:
                     return
                 r = self._waiting.popleft()
-            req = r.req
-            r.gen = generate_step(
-                mx.array(r.prompt), self.lm.model, max_tokens=-1,
-                sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
-                prefill_step_size=self.config.prefill_step,
-            )
+            r.decoder = self._decoder(r)
             r.detok = StreamingDetokenizer(self.lm.tokenizer, r.prompt)
-            r.stop = StopMatcher(req.stop)
+            r.stop = StopMatcher(r.req.stop)
             self.totals.prompt_tokens += len(r.prompt)
             self._active.append(r)
             events.append(m.Started(r.id, len(r.prompt)))
 
-    def _on_token(self, r: _Request, token: int, events: list) -> None:
+    def _decoder(self, r: _Request):
+        req = r.req
+        if req.mode == "joint":
+            params = SamplingParams(req.temperature, req.top_p)
+            drafter = Drafter(self.draft.model, self.config.recovery, self.config.prefill_step)
+            jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
+                              self.config.prefill_step)
+            return _Joint(jd, self.config.draft_budget)
+        return _Baseline(generate_step(
+            mx.array(r.prompt), self.lm.model, max_tokens=-1,
+            sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
+            prefill_step_size=self.config.prefill_step,
+        ))
+
+    def _on_token(self, r: _Request, token: int, events: list) -> bool:
+        """Handles one emitted token; True when it ended the request."""
         now = time.perf_counter()
         if not r.tokens:
             r.first_token_at = now
@@ -195,16 +254,19 @@ class Engine:
         if stopped:
             return self._finish(r, "stop", events, flush=False)
         if len(r.tokens) >= r.req.max_tokens or len(r.prompt) + len(r.tokens) >= self.lm.context_limit:
-            self._finish(r, "length", events)
+            return self._finish(r, "length", events)
+        return False
 
-    def _finish(self, r: _Request, reason: str, events: list, flush: bool = True) -> None:
+    def _finish(self, r: _Request, reason: str, events: list, flush: bool = True) -> bool:
+        """Emits the end of a request; the caller releases it after recovering its state."""
         if flush and r.detok is not None:
             text, stopped = r.stop.feed(r.detok.flush())
             tail = text if stopped else text + r.stop.flush()
             if tail:
                 events.append(m.TextDelta(r.id, tail, []))
-        self._release(r)
+        r.done = True
         events.append(m.Finished(r.id, reason, self._metrics(r)))
+        return True
 
     def _fail(self, r: _Request, exc: Exception, events: list) -> None:
         self._release(r)
@@ -213,24 +275,32 @@ class Engine:
     def _release(self, r: _Request) -> None:
         if r in self._active:
             self._active.remove(r)
-        if r.gen is not None:
-            r.gen.close()
-            r.gen = None
+        if r.decoder is not None:
+            r.decoder.close()
+            r.decoder = None
         self.totals.finished += 1
 
     def _metrics(self, r: _Request) -> m.RequestMetrics:
         n = len(r.tokens)
         span = r.last_token_at - r.first_token_at
-        return m.RequestMetrics(
+        out = m.RequestMetrics(
             mode=r.req.mode, prompt_tokens=len(r.prompt), completion_tokens=n,
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
         )
+        if isinstance(r.decoder, _Joint):
+            s = r.decoder.decoder.stats
+            out.draft, out.cycles, out.drafted, out.accepted = self.draft_id, s.cycles, s.drafted, s.accepted
+            out.rollbacks, out.recovery_s = s.rollbacks, s.recovery_s
+            out.budget_mean = s.drafted / s.cycles if s.cycles else 0.0
+        return out
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=4, temperature=0.0)
         self.submit("warmup", req)
+        if self.draft is not None:
+            self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0, mode="joint"))
         while self.has_work():
             self.step()
         t = self.totals

@@ -76,6 +76,34 @@ def _load_folder(path: Path, model_id: str) -> LoadedModel:
     )
 
 
+class PairingError(ValueError):
+    """The draft cannot be paired with the target."""
+
+
+def load_draft(spec: str, target: LoadedModel) -> LoadedModel:
+    """Loads a draft and checks that its tokenizer agrees with the target's."""
+    draft = load_model(spec)
+    check_tokenizers_agree(target.tokenizer, draft.tokenizer)
+    return draft
+
+
+def check_tokenizers_agree(target, draft) -> None:
+    """Same ids for the same tokens, and the same special tokens; raises PairingError naming what differs."""
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv != dv:
+        only_t = sorted(set(tv) - set(dv))[:3]
+        moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])[:3]
+        raise PairingError(
+            f"the draft's tokenizer differs from the target's: vocabulary sizes {len(tv)} and {len(dv)}"
+            + (f"; tokens only in the target: {only_t}" if only_t else "")
+            + (f"; tokens with other ids: {moved}" if moved else "")
+        )
+    ts, ds = sorted(getattr(target, "all_special_ids", [])), sorted(getattr(draft, "all_special_ids", []))
+    if ts != ds or set(target.eos_token_ids) != set(draft.eos_token_ids):
+        raise PairingError(f"the draft's special tokens differ from the target's: {ds} vs {ts}, "
+                           f"eos {sorted(draft.eos_token_ids)} vs {sorted(target.eos_token_ids)}")
+
+
 def _context_limit(config: dict) -> int:
     text = config.get("text_config", config)
     return text.get("max_position_embeddings") or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LIMIT

@@ -21,7 +21,8 @@ import zmq
 from protocol import codec, messages as m, runtime
 from worker import faults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
-from worker.loader import EMBEDDED, LoadedModel, load_model
+from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
+from worker.spec.state import install_recording
 
 log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5
@@ -31,6 +32,7 @@ POLL_MS = 200
 
 class WorkerProc:
     def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str):
+        self.draft = engine.draft
         self.engine, self.lm, self.pid = engine, lm, os.getpid()
         self.ctx = zmq.Context()
         self.runtime_dir = runtime_dir
@@ -47,8 +49,8 @@ class WorkerProc:
     def ready_message(self) -> m.Ready:
         return m.Ready(
             process="worker", pid=self.pid, model_id=self.lm.model_id,
-            cache_identity=cache_identity(self.lm), context_limit=self.lm.context_limit,
-            joint_available=False, draft_id=None,
+            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
+            joint_available=self.draft is not None, draft_id=self.engine.draft_id,
         )
 
     def run(self) -> int:
@@ -140,6 +142,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--max-active", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=64)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--draft-budget", type=int, default=4)
+    p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     return p.parse_args(argv)
 
 
@@ -148,7 +153,18 @@ def run_worker(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     runtime.watch_parent(lambda: os._exit(1))
     lm = _load_with_progress(args.model)
-    engine = Engine(lm, EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active))
+    draft = None
+    if args.draft:
+        try:
+            draft = _load_with_progress(args.draft, lambda: load_draft(args.draft, lm))
+        except PairingError as e:
+            log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
+            return 3
+        install_recording(lm.model)
+        install_recording(draft.model)
+    config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
+                          draft_budget=args.draft_budget, recovery=args.recovery)
+    engine = Engine(lm, config, draft)
     engine.warmup()
     proc = WorkerProc(engine, lm, args.runtime_dir)
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
@@ -156,12 +172,12 @@ def run_worker(argv: list[str] | None = None) -> int:
     return proc.run()
 
 
-def _load_with_progress(spec: str) -> LoadedModel:
+def _load_with_progress(spec: str, load=None) -> LoadedModel:
     from rich.console import Console
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with console.status(f"[bold]worker: loading {spec}…"):
-        lm = load_model(spec)
+        lm = (load or (lambda: load_model(spec)))()
     console.print(f"worker: loaded {lm.model_id} ({lm.quantization}) in {time.perf_counter() - t0:.1f}s; warming up")
     return lm

@@ -1,0 +1,198 @@
+"""`verity bench ...`: benchmarks. Each is a sub-subcommand of `bench` built on the shared helpers
+below (a stack started as a subprocess, medians, a rich table on stdout, `--json` as the last
+line of stdout). Progress goes to stderr. Exit 0 when a bench ran, whatever its figures.
+
+    verity bench overhead   HTTP streaming through launch-stack vs in-process mlx-lm, same model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from cli.blas import reexec_with_blas
+from cli.client import ServerError, stream_chat
+from cli.stack_process import StackError, StackProcess
+
+progress_console = Console(stderr=True, highlight=False)
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+OVERHEAD_GOAL = 0.95
+
+
+# ---- shared helpers ----
+
+
+def progress(msg: str) -> None:
+    progress_console.print(msg, style="dim", markup=False)
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def print_report(title: str, rows: list[tuple[str, ...]], headers: tuple[str, ...],
+                 figures: dict[str, Any], as_json: bool, footer: Optional[str] = None) -> None:
+    """The human table on stdout; with as_json, one JSON object as the last line of stdout."""
+    table = Table()
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    out = Console(highlight=False)
+    out.print(title, style="bold", markup=False)
+    out.print(table)
+    if footer:
+        out.print(footer)
+    sys.stdout.flush()
+    if as_json:
+        print(json.dumps(figures), flush=True)
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help="'embedded', an MLX folder or a Hugging Face id")
+    p.add_argument("--port", type=int, default=0, help="port of the stack the bench starts (0: any free one)")
+    p.add_argument("--stack-output", action="store_true", help="echo launch-stack's output to stderr")
+
+
+def start_stack(args: argparse.Namespace, extra_args: tuple[str, ...] = ()) -> StackProcess:
+    """Starts launch-stack for a bench (use as a context manager); check .exit_code after it."""
+    progress(f"starting launch-stack --model {args.model} …")
+    t0 = time.perf_counter()
+    stack = StackProcess(model=args.model, port=args.port, extra_args=extra_args, echo=args.stack_output).start()
+    progress(f"stack ready on {stack.url} in {time.perf_counter() - t0:.1f}s")
+    return stack
+
+
+def decode_tps(n_tokens: int, t_first: float, t_last: float) -> float:
+    """Decode tokens/s: (N-1) tokens after the first, over the time from the first to the last."""
+    span = t_last - t_first
+    return (n_tokens - 1) / span if n_tokens > 1 and span > 0 else 0.0
+
+
+# ---- bench overhead ----
+
+
+def _inprocess_runner(lm, prompt_ids: list[int]) -> Callable[[int], dict]:
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import greedy_sampler
+
+    tok = lm.tokenizer
+
+    def run(n: int) -> dict:
+        saved = tok.eos_token_ids
+        tok.eos_token_ids = set()  # like ignore_eos: exactly n tokens
+        try:
+            times, ids = [], []
+            t0 = time.perf_counter()
+            for resp in stream_generate(lm.model, tok, mx.array(prompt_ids), max_tokens=n, sampler=greedy_sampler):
+                times.append(time.perf_counter())
+                ids.append(resp.token)
+        finally:
+            tok.eos_token_ids = saved
+        return {"tokens": len(ids), "ttft_s": times[0] - t0, "tps": decode_tps(len(ids), times[0], times[-1]),
+                "ids": ids}
+
+    return run
+
+
+def _http_runner(url: str, messages: list[dict]) -> Callable[[int], dict]:
+    def run(n: int) -> dict:
+        body = {"messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        r = stream_chat(url, body)
+        n_tok = int(r.metrics.get("completion_tokens", 0))
+        return {"tokens": n_tok, "ttft_s": r.t_first - r.t_sent, "tps": decode_tps(n_tok, r.t_first, r.t_last),
+                "text": r.text, "server_tps": float(r.metrics.get("decode_tps", 0.0)),
+                "server_ttft_s": float(r.metrics.get("ttft_s", 0.0))}
+
+    return run
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    reexec_with_blas()  # the in-process side gets the same BLAS as launch-stack's worker
+    from protocol.messages import GenerateRequest, Message
+    from worker.loader import load_model
+    from worker.text import render_prompt
+
+    n, repeats = args.tokens, args.repeats
+    if n < 2 or repeats < 1:
+        progress("--tokens must be ≥ 2 and --repeats ≥ 1")
+        return 2
+    messages = [{"role": "user", "content": args.prompt}]
+    progress(f"loading {args.model} in-process …")
+    lm = load_model(args.model)
+    prompt_ids = render_prompt(lm.tokenizer, GenerateRequest(messages=[Message(**m) for m in messages]))
+    local = _inprocess_runner(lm, prompt_ids)
+    try:
+        stack = start_stack(args)
+    except StackError as e:
+        progress(f"could not start the stack: {e}")
+        return 1
+    runs: dict[str, list[dict]] = {"inproc": [], "http": []}
+    try:
+        with stack:
+            remote = _http_runner(stack.url, messages)
+            progress(f"warm-up: {n} tokens each way ({len(prompt_ids)} prompt tokens)")
+            warm_local, warm_http = local(n), remote(n)
+            for i in range(repeats):
+                runs["inproc"].append(local(n))
+                runs["http"].append(remote(n))
+                a, b = runs["inproc"][-1], runs["http"][-1]
+                progress(f"round {i + 1}/{repeats}: in-process {a['tps']:.1f} tok/s, HTTP {b['tps']:.1f} tok/s "
+                         f"({b['tps'] / a['tps']:.3f})")
+    except ServerError as e:
+        progress(f"the stack refused the request: {e}")
+        return 1
+    clean_stop = stack.exit_code == 0
+    if not clean_stop:
+        progress(f"launch-stack exited with code {stack.exit_code}")
+
+    med = {side: {k: median(r[k] for r in rs) for k in ("tps", "ttft_s")} for side, rs in runs.items()}
+    ratio = med["http"]["tps"] / med["inproc"]["tps"] if med["inproc"]["tps"] else 0.0
+    local_text = lm.tokenizer.decode(warm_local["ids"])
+    figures = {
+        "bench": "overhead", "model": args.model, "prompt_tokens": len(prompt_ids), "tokens": n,
+        "repeats": repeats,
+        "inproc_tps": med["inproc"]["tps"], "http_tps": med["http"]["tps"],
+        "inproc_ttft_s": med["inproc"]["ttft_s"], "http_ttft_s": med["http"]["ttft_s"],
+        "server_tps": median(r["server_tps"] for r in runs["http"]),
+        "server_ttft_s": median(r["server_ttft_s"] for r in runs["http"]),
+        "ratio": ratio, "goal": OVERHEAD_GOAL,
+        "ratio_paired": median(b["tps"] / a["tps"] for a, b in zip(runs["inproc"], runs["http"]) if a["tps"]), "goal_met": ratio >= OVERHEAD_GOAL,
+        "inproc_tokens": [r["tokens"] for r in runs["inproc"]], "http_tokens": [r["tokens"] for r in runs["http"]],
+        "same_text": local_text.strip() == warm_http["text"].strip(),
+        "inproc_tps_runs": [r["tps"] for r in runs["inproc"]], "http_tps_runs": [r["tps"] for r in runs["http"]],
+        "stack_exit_code": stack.exit_code,
+    }
+    rows = [
+        ("in-process mlx-lm", f"{figures['inproc_tps']:.1f}", f"{figures['inproc_ttft_s'] * 1000:.1f}"),
+        ("HTTP via launch-stack", f"{figures['http_tps']:.1f}", f"{figures['http_ttft_s'] * 1000:.1f}"),
+        ("  (worker's own metrics)", f"{figures['server_tps']:.1f}", f"{figures['server_ttft_s'] * 1000:.1f}"),
+    ]
+    verdict = "goal met" if figures["goal_met"] else "goal missed"
+    footer = (f"ratio HTTP ÷ in-process decode tok/s: {ratio:.3f} ({verdict}: ≥ {OVERHEAD_GOAL}); "
+              f"median of per-round ratios {figures['ratio_paired']:.3f}"
+              + ("" if figures["same_text"] else " · note: the two sides' texts differ"))
+    print_report(f"bench overhead: {args.model}, {len(prompt_ids)} prompt + {n} tokens, median of {repeats}",
+                 rows, ("side", "decode tok/s", "ttft ms"), figures, args.json, footer)
+    return 0 if clean_stop else 1
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (each starts what it measures)")
+    benches = p.add_subparsers(dest="bench", required=True)
+    o = benches.add_parser("overhead", help="HTTP streaming through launch-stack vs in-process mlx-lm")
+    add_stack_args(o)
+    o.add_argument("--tokens", type=int, default=128, help="tokens generated per run (EOS ignored)")
+    o.add_argument("--repeats", type=int, default=5, help="alternated rounds after one warm-up each")
+    o.add_argument("--prompt", default=DEFAULT_PROMPT)
+    o.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
+    o.set_defaults(run=run_overhead)

@@ -1,0 +1,110 @@
+"""Drafters: a locked draft model with its own cache, proposing k tokens one forward at a time."""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from worker.spec import state as st
+from worker.spec.sampling import SamplingParams, token_probs
+
+# choose(logits [V], output position of the proposal) -> (token [1], q probabilities [V] or None)
+Chooser = Callable[[mx.array, int], tuple[mx.array, Optional[mx.array]]]
+
+
+class Drafter:
+    """Keeps the draft's consumed tokens a prefix of the target's, recovering after each cycle.
+
+    fast: a checkpoint (offsets and array references) after every proposal step; recovery picks
+    one. replay: one checkpoint before the cycle; recovery restores it and re-feeds the tokens.
+    """
+
+    def __init__(self, model, recovery: str = "fast", prefill_step: int = 512):
+        self.model, self.recovery, self.prefill_step = model, recovery, prefill_step
+        self.cache = st.make_cache(model)
+        self.consumed: list[int] = []  # tokens the draft cache holds
+        self._steps: list[tuple[int, st.Checkpoint]] = []
+        self._base: Optional[tuple[int, st.Checkpoint]] = None
+
+    def prefill(self, tokens: list[int]) -> None:
+        for i in range(0, len(tokens), self.prefill_step):
+            self.model(mx.array(tokens[i : i + self.prefill_step])[None], cache=self.cache)
+            mx.eval(st.cache_arrays(self.cache))
+        self.consumed += tokens
+
+    def propose(self, context: list[int], k: int, position: int, params: SamplingParams,
+                key_fn: Callable[[], mx.array]) -> tuple[list[int], list[Optional[mx.array]]]:
+        """Proposes k tokens after `context` (the target's tokens; the draft feeds what it lacks).
+
+        `position` is the output index of the first proposal. Returns the proposals and their
+        draft probabilities (None when greedy).
+        """
+        if k == 0:
+            return [], []
+        feed = context[len(self.consumed):]
+        base = len(self.consumed)
+        self._base = (base, st.checkpoint(self.cache)) if self.recovery == "replay" else None
+        self._steps = []
+        tokens, probs = [], []
+        x = mx.array(feed)
+        for j in range(k):
+            logits = self.model(x[None], cache=self.cache)[0, -1]
+            if self.recovery == "fast":
+                self._steps.append((base + len(feed) + j, st.checkpoint(self.cache)))
+            x, q = self.choose(logits, position + j, params, key_fn)
+            tokens.append(x)
+            probs.append(q)
+        drafted = mx.concatenate(tokens).tolist()
+        self.consumed = list(context) + drafted[:-1]
+        return drafted, probs
+
+    def choose(self, logits: mx.array, position: int, params: SamplingParams,
+               key_fn: Callable[[], mx.array]) -> tuple[mx.array, Optional[mx.array]]:
+        if params.greedy:
+            return mx.argmax(logits, keepdims=True), None
+        q = token_probs(logits, params)
+        return mx.random.categorical(mx.log(q), key=key_fn())[None], q
+
+    def recover(self, target_consumed: list[int]) -> None:
+        """Keeps the longest prefix of what the draft consumed that the target consumed too."""
+        keep = _common_prefix(self.consumed, target_consumed)
+        if keep == len(self.consumed):
+            return
+        if self.recovery == "fast":
+            ck = next(ck for n, ck in self._steps if n == keep)
+            st.restore(self.cache, ck)
+        else:
+            base, ck = self._base
+            st.restore(self.cache, ck)
+            if keep > base:
+                self.model(mx.array(target_consumed[base:keep])[None], cache=self.cache)
+        mx.eval(st.cache_arrays(self.cache))
+        self.consumed = self.consumed[:keep]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ControlledDrafter(Drafter):
+    """Benchmark only, never served: runs the real draft forward (so drafting and draft recovery
+    cost what they cost) but proposes the target's known greedy continuation with probability
+    alpha(position) and a wrong token otherwise."""
+
+    def __init__(self, model, reference: list[int], alpha: Callable[[int], float], vocab_size: int,
+                 seed: int = 0, **kw):
+        super().__init__(model, **kw)
+        self.reference, self.alpha, self.vocab_size = reference, alpha, vocab_size
+        self.rng = random.Random(seed)
+
+    def choose(self, logits, position, params, key_fn):
+        mx.eval(logits)  # the forward must really run
+        ref = self.reference[position] if position < len(self.reference) else 0
+        tok = ref if self.rng.random() < self.alpha(position) else (ref + 1) % self.vocab_size
+        return mx.array([tok]), None

@@ -1,0 +1,127 @@
+"""The joint cycle for one request: the draft proposes k, the target verifies [y, d1..dk] in one
+forward and stays in control, and both caches are recovered to exactly the consumed prefix.
+
+Invariant after every commit: the target cache holds every token but the last one (y); the
+draft cache holds a prefix of that (it may lag by the tokens it never consumed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+from worker.spec import state as st
+from worker.spec.draft import Drafter
+from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
+
+RECOVERY_PATHS = ("fast", "replay")
+
+
+@dataclass
+class CycleStats:
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rollbacks: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    recovery_s: float = 0.0
+    accepted_at: list = field(default_factory=list)  # per draft position: [accepted, proposed]
+
+    def record_acceptance(self, k: int, n: int) -> None:
+        while len(self.accepted_at) < k:
+            self.accepted_at.append([0, 0])
+        for j in range(min(n + 1, k)):  # positions up to the first rejection were tried
+            self.accepted_at[j][1] += 1
+            self.accepted_at[j][0] += j < n
+
+
+class JointDecoder:
+    def __init__(self, target, drafter: Drafter, prompt: list[int], params: SamplingParams,
+                 seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512):
+        if recovery not in RECOVERY_PATHS:
+            raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
+        self.target, self.drafter, self.params = target, drafter, params
+        self.recovery, self.prefill_step = recovery, prefill_step
+        self.cache = st.make_cache(target)
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)  # the target cache holds tokens[:-1] once started
+        self.key_fn = make_key_fn(seed)
+        self.stats = CycleStats()
+        self._pending: Optional[tuple] = None
+
+    # ---- start ----
+
+    def start(self) -> int:
+        """Prefills target and draft with the prompt; returns the first token (the target's)."""
+        prompt = self.tokens
+        for i in range(0, len(prompt) - 1, self.prefill_step):
+            self.target(mx.array(prompt[i : min(i + self.prefill_step, len(prompt) - 1)])[None], cache=self.cache)
+            mx.eval(st.cache_arrays(self.cache))
+        logits = self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1]
+        y = self._sample(logits)
+        self.drafter.prefill(prompt)
+        self.tokens.append(y)
+        return y
+
+    def _sample(self, logits: mx.array) -> int:
+        if self.params.greedy:
+            return mx.argmax(logits).item()
+        return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn()).item()
+
+    # ---- one cycle ----
+
+    def cycle(self, k: int) -> list[int]:
+        """Drafts k, verifies, returns the tokens to emit (the accepted drafts and the target's own).
+
+        The caller must then `commit(m)` with how many of them it kept (fewer after a stop)."""
+        t0 = time.perf_counter()
+        position = len(self.tokens) - self.prompt_len  # output index of d1
+        drafted, qs = self.drafter.propose(self.tokens, k, position, self.params, self.key_fn)
+        t1 = time.perf_counter()
+        y = self.tokens[-1]
+        ck = st.checkpoint(self.cache) if self.recovery == "replay" else None
+        st.set_record(self.cache, self.recovery == "fast" and k > 0)
+        logits = self.target(mx.array([y] + drafted)[None], cache=self.cache)[0]
+        if self.params.greedy:
+            n, own = accept_greedy(drafted, logits)
+        else:
+            n, own = accept_sampled(drafted, qs, logits, self.params, self.key_fn)
+        t2 = time.perf_counter()
+        emitted = drafted[:n] + [own]
+        self._pending = (drafted, emitted, ck)
+        s = self.stats
+        s.cycles += 1
+        s.drafted += k
+        s.accepted += n
+        s.draft_s += t1 - t0
+        s.verify_s += t2 - t1
+        s.record_acceptance(k, n)
+        return emitted
+
+    def commit(self, m: int) -> None:
+        """Keeps the first m emitted tokens and recovers both caches to exactly that prefix."""
+        drafted, emitted, ck = self._pending
+        self._pending = None
+        if not 1 <= m <= len(emitted):
+            raise ValueError(f"commit({m}) of {len(emitted)} emitted tokens")
+        t0 = time.perf_counter()
+        verified = len(drafted) + 1  # the target consumed [y, d1..dk]; it keeps [y, e1..e_{m-1}]
+        if m < verified:
+            self.stats.rollbacks += 1
+            if self.recovery == "fast":
+                st.keep_recorded(self.cache, verified, m)
+            else:
+                st.restore(self.cache, ck)
+                self.target(mx.array(([self.tokens[-1]] + drafted)[:m])[None], cache=self.cache)
+        st.set_record(self.cache, False)
+        for c in self.cache:
+            if isinstance(c, st.RecordingArraysCache):
+                c.clear_record()
+        self.tokens += emitted[:m]
+        self.drafter.recover(self.tokens[:-1])
+        mx.eval(st.cache_arrays(self.cache))
+        self.stats.recovery_s += time.perf_counter() - t0
