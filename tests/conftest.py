@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_models import tiny_model_dir  # noqa: E402
+from worker.tiny_models import tiny_model_dir  # noqa: E402
 
 FULL = os.environ.get("VERITY_FULL") == "1"
 

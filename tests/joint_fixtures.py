@@ -10,7 +10,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from tiny_models import build_tiny_model
+from worker.tiny_models import build_tiny_model
 from worker.loader import LoadedModel, check_tokenizers_agree, load_model
 from worker.spec.draft import ControlledDrafter, Drafter
 from worker.spec.joint import JointDecoder
@@ -20,7 +20,7 @@ from worker.spec.state import install_recording
 PAIRS = {"llama+llama": ("llama", "llama"), "qwen3_5+qwen3_5": ("qwen3_5", "qwen3_5"),
          "qwen3_5+llama": ("qwen3_5", "llama")}
 DRAFTS = ("copy", "wrong", "perturbed")
-PERTURB_NOISE = 0.3  # about half the proposals accepted (tests/tiny_models.py)
+PERTURB_NOISE = 0.3  # about half the proposals accepted (worker/tiny_models.py)
 K_SCHEDULE = (4, 1, 3, 2, 5)  # budgets per cycle, so every verify width is exercised
 PROMPTS = [
     "the quick brown fox", "hello world", "once upon a time", "one two three four", "tell me a story",
