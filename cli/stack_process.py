@@ -48,7 +48,7 @@ def health(url: str, timeout: float = 2.0) -> tuple[int, Optional[dict]]:
 class StackProcess:
     def __init__(self, model: str = "embedded", port: int = 0, host: str = "127.0.0.1",
                  extra_args: tuple[str, ...] = (), env: Optional[dict] = None,
-                 start_timeout_s: float = START_TIMEOUT_S, echo: bool = False):
+                 start_timeout_s: float = START_TIMEOUT_S, echo: bool = False, tail_lines: int = 200):
         self.argv = [sys.executable, "-m", "cli.launch", "--model", model, "--host", host,
                      "--port", str(port), *extra_args]
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
@@ -57,7 +57,7 @@ class StackProcess:
         self.proc: Optional[subprocess.Popen] = None
         self.url: Optional[str] = None
         self.exit_code: Optional[int] = None  # set by stop()
-        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._banner = threading.Event()
         self._reader: Optional[threading.Thread] = None
 
@@ -120,6 +120,12 @@ class StackProcess:
         if self._reader is not None:
             self._reader.join(timeout=5)
         self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """Waits for launch-stack to exit by itself; returns its exit code."""
+        self.exit_code = self.proc.wait(timeout_s)
+        self._reader.join(timeout=5)
         return self.exit_code
 
     def kill(self) -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from stack import LAUNCH_STACK, Stack, until
+from worker.tiny_models import build_tiny_model
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,10 +26,9 @@ def chat_body(text="hello world", **kw) -> dict:
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory):
     with Stack(str(tiny_llama), "--api-key", KEY, "--max-active", "2", "--queue-size", "8",
-               "--max-tokens-cap", "256", "--max-body-bytes", "20000",
-               log_path=tmp_path_factory.mktemp("logs") / "stack.log") as s:
+               "--max-tokens-cap", "256", "--max-body-bytes", "20000") as s:
         yield s
-    assert s.proc.returncode == 0, s.log()
+    assert s.exit_code == 0, s.log()
 
 
 async def post(url, body, headers=AUTH, path="/v1/chat/completions"):
@@ -186,8 +186,7 @@ async def test_disconnect_while_waiting_for_whole_response(stack):
 
 @pytest.fixture
 def small_stack(tiny_llama, tmp_path):
-    with Stack(str(tiny_llama), "--max-active", "1", "--queue-size", "2", "--keepalive-s", "0.2",
-               log_path=tmp_path / "small.log", env={"VERITY_FAULT_STEP_DELAY_S": "0.02"}) as s:
+    with Stack(str(tiny_llama), "--max-active", "1", "--queue-size", "2", "--keepalive-s", "0.2", env={"VERITY_FAULT_STEP_DELAY_S": "0.02"}) as s:
         yield s
 
 
@@ -251,20 +250,44 @@ def test_start_failure_names_the_child(tmp_path):
 
 
 async def test_worker_that_keeps_dying_fails_the_stack(tiny_llama, tmp_path):
-    s = Stack(str(tiny_llama), "--max-restarts", "1", log_path=tmp_path / "dying.log",
+    s = Stack(str(tiny_llama), "--max-restarts", "1",
               env={"VERITY_FAULT_EXIT_ON_JOB": "3"}).start()
     status, err, _ = await post(s.url, chat_body(), headers={})  # kills every worker it reaches
     assert status == 503, err
-    code = await asyncio.to_thread(s.proc.wait, 60)
+    code = await asyncio.to_thread(s.wait_exit, 60)
     log = s.log()
     assert code == 2, log
     assert log.count("exited with code 3") == 2 and "giving up" in log
-    s.stop()
+
+
+async def test_joint_over_http_equals_baseline(tiny_llama, tmp_path):
+    draft = build_tiny_model(tmp_path / "draft", "llama", seed=1, perturb_from=tiny_llama, noise=0.3)
+    with Stack(str(tiny_llama), "--draft", str(draft), "--draft-budget", "3") as s:
+        for text in ("hello world", "the quick brown fox"):
+            body = chat_body(text, max_tokens=24, ignore_eos=True)
+            _, base, _ = await post(s.url, body, headers={})
+            _, joint, _ = await post(s.url, {**body, "mode": "joint"}, headers={})
+            assert joint["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]
+            jm = joint["metrics"]
+            assert jm["mode"] == "joint" and jm["draft"].startswith("draft@") and jm["budget_mean"] == 3.0
+            assert jm["drafted"] > jm["accepted"] > 0 and jm["rollbacks"] > 0 and jm["cycles"] < 24
+            events = await stream_events(s.url, {**body, "mode": "joint"})
+            final = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][0]
+            assert final["metrics"]["drafted"] == jm["drafted"]
+    assert s.exit_code == 0
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
+    other = build_tiny_model(tmp_path / "other", "qwen3_5", seed=0)
+    r = subprocess.run([LAUNCH_STACK, "--model", str(tiny_llama), "--draft", str(other), "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "cannot pair draft" in r.stderr and "tokenizer differs" in r.stderr
 
 
 @pytest.mark.slow
 async def test_embedded_model_knows_paris(tmp_path):
-    with Stack("embedded", log_path=tmp_path / "embedded.log") as s:
+    with Stack("embedded") as s:
         status, body, _ = await post(s.url, chat_body("What is the capital of France?", max_tokens=20), headers={})
     assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
-    assert s.proc.returncode == 0
+    assert s.exit_code == 0
