@@ -170,8 +170,15 @@ class StatsSnapshot(Struct, tag=True):
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     tokens_per_s: float = 0.0
-    drafted_total: int = 0
+    drafted_total: int = 0  # joint decoding, summed over finished requests
     accepted_total: int = 0
+    cycles_total: int = 0
+    rollbacks_total: int = 0
+    recovery_s_total: float = 0.0
+    # the reuse cache: cache_bytes None = no cache service (the monitor shows "off")
+    cache_bytes: Optional[int] = None
+    cache_hits: int = 0
+    cache_lookups: int = 0
 
 
 # One union per socket direction: decoders reject anything else.

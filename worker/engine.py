@@ -20,7 +20,7 @@ from protocol import messages as m
 from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
 from worker.spec.draft import Drafter
-from worker.spec.joint import JointDecoder
+from worker.spec.joint import CycleStats, JointDecoder
 from worker.spec.sampling import SamplingParams
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
@@ -64,6 +64,12 @@ class _Totals:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # token timestamps
+    joint: CycleStats = field(default_factory=CycleStats)  # summed over released joint requests
+
+    def add_joint(self, s: CycleStats) -> None:
+        j = self.joint
+        j.cycles, j.drafted, j.accepted = j.cycles + s.cycles, j.drafted + s.drafted, j.accepted + s.accepted
+        j.rollbacks, j.recovery_s = j.rollbacks + s.rollbacks, j.recovery_s + s.recovery_s
 
 
 class _Baseline:
@@ -172,7 +178,8 @@ class Engine:
             process="worker", pid=pid, time=time.time(), queue_depth=len(self._waiting),
             active=len(self._active), requests_total=t.requests, requests_finished=t.finished,
             prompt_tokens_total=t.prompt_tokens, generated_tokens_total=t.generated_tokens,
-            tokens_per_s=tps,
+            tokens_per_s=tps, drafted_total=t.joint.drafted, accepted_total=t.joint.accepted,
+            cycles_total=t.joint.cycles, rollbacks_total=t.joint.rollbacks, recovery_s_total=t.joint.recovery_s,
         )
 
     # ---- the MLX thread ----
@@ -275,6 +282,8 @@ class Engine:
     def _release(self, r: _Request) -> None:
         if r in self._active:
             self._active.remove(r)
+        if isinstance(r.decoder, _Joint):
+            self.totals.add_joint(r.decoder.decoder.stats)
         if r.decoder is not None:
             r.decoder.close()
             r.decoder = None
@@ -303,6 +312,4 @@ class Engine:
             self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0, mode="joint"))
         while self.has_work():
             self.step()
-        t = self.totals
-        t.requests = t.finished = t.prompt_tokens = t.generated_tokens = 0
-        t.recent.clear()
+        self.totals = _Totals()
