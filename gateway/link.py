@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 import zmq.asyncio
@@ -51,6 +51,7 @@ class WorkerLink:
         self.worker: Optional[m.Ready] = None
         self.worker_stats: Optional[m.StatsSnapshot] = None
         self.worker_restarts = 0
+        self.on_end: list[Callable[[Tracked, object], None]] = []  # observers of each request's last event
         self._seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._handlers = {
@@ -142,6 +143,8 @@ class WorkerLink:
     def _end(self, t: Tracked, event) -> None:
         self.requests.pop(t.id, None)
         t.events.put_nowait(event)
+        for observe in self.on_end:
+            observe(t, event)
 
     # ---- handlers, by message type ----
 
