@@ -49,7 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch-stack", description="Serve one MLX model: worker + gateway.")
     p.add_argument("--model", default="embedded", help="'embedded' (SmolLM2-135M-Instruct), a local MLX folder or a Hugging Face id")
     p.add_argument("--draft", default=None, help="a draft model for joint mode (same tokenizer as the target)")
-    p.add_argument("--draft-budget", type=int, default=4, help="tokens drafted per joint cycle")
+    p.add_argument("--draft-budget", type=int, default=None,
+                   help="fix the tokens drafted per joint cycle (default: the adaptive scheduler)")
+    p.add_argument("--decision-log", default=None, help="write every scheduler decision here (JSON lines; see verity replay)")
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast",
                    help="hybrid-state recovery: per-position states (fast) or checkpoint and replay")
     p.add_argument("--host", default="127.0.0.1")
@@ -90,8 +92,9 @@ class Supervisor:
         gw_env = {**base, "VERITY_API_KEY": key} if key else {k: v for k, v in base.items() if k != "VERITY_API_KEY"}
         worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
                                   "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
-                                  "--draft-budget", str(a.draft_budget), "--recovery", a.recovery,
-                                  *(["--draft", a.draft] if a.draft else [])], blas_env(base))
+                                  "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
+                                  *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
+                                  *(["--decision-log", a.decision_log] if a.decision_log else [])], blas_env(base))
         gateway = Child("gateway", [py, "-m", "gateway", "--runtime-dir", self.runtime_dir, "--host", a.host,
                                     "--port", str(a.port), "--max-active", str(a.max_active),
                                     "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),

@@ -9,10 +9,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verity")
     sub = p.add_subparsers(dest="command", required=True)
-    from cli import bench, client
+    from cli import bench, client, replay
 
     client.add_commands(sub)
     bench.add_commands(sub)
+    replay.add_commands(sub)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     return args.run(args)
 

@@ -22,6 +22,7 @@ from worker.sampling import make_request_sampler
 from worker.spec.draft import Drafter
 from worker.spec.joint import CycleStats, JointDecoder
 from worker.spec.sampling import SamplingParams
+from worker.scheduler import Scheduler
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
 
@@ -30,7 +31,9 @@ class EngineConfig:
     max_active: int = 4  # requests decoded at once
     max_waiting: int = 64  # requests queued behind them; the gateway bounds it first
     prefill_step: int = 512
-    draft_budget: int = 4  # tokens drafted per joint cycle
+    draft_budget: Optional[int] = None  # fixed tokens drafted per joint cycle; None: adaptive
+    max_round_budget: int = 16  # adaptive: drafted tokens in one round, all requests together
+    decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
 
 
@@ -76,10 +79,12 @@ class _Baseline:
     """mlx-lm's generate_step: pipelined one-token steps."""
 
     def __init__(self, gen: Iterator):
-        self.gen = gen
+        self.gen, self.started = gen, False
 
     def advance(self) -> list[int]:
-        return [next(self.gen)[0]]
+        token = next(self.gen)[0]  # the first call prefills
+        self.started = True
+        return [token]
 
     def commit(self, m: int) -> None:
         pass
@@ -91,8 +96,8 @@ class _Baseline:
 class _Joint:
     """The joint cycle: 1 + accepted tokens per advance; commit recovers both caches."""
 
-    def __init__(self, decoder: JointDecoder, budget: int):
-        self.decoder, self.budget, self.started, self.cycled = decoder, budget, False, False
+    def __init__(self, decoder: JointDecoder):
+        self.decoder, self.budget, self.started, self.cycled = decoder, 0, False, False
 
     def advance(self) -> list[int]:
         if not self.started:
@@ -125,6 +130,7 @@ class Engine:
         self._cancels: set[str] = set()
         self._active: list[_Request] = []
         self.totals = _Totals()
+        self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
 
     # ---- any thread ----
 
@@ -189,10 +195,22 @@ class Engine:
         events: list = []
         self._apply_cancels(events)
         self._admit(events)
+        self._round(events)
+        return events
+
+    def _round(self, events: list) -> None:
+        """One decode round: a token for each baseline request, a cycle for each joint one, with
+        draft lengths from the scheduler; the round's time feeds its cost model."""
+        joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
+        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active))):
+            r.decoder.budget = k
+        complete = all(r.decoder.started for r in self._active)  # a prefill is no decode round
+        t0 = time.perf_counter()
         for r in list(self._active):
             try:
                 tokens = r.decoder.advance()
             except Exception as e:  # a failure of one request must not take the others down
+                complete = False
                 self._fail(r, e, events)
                 continue
             kept = 0
@@ -201,9 +219,11 @@ class Engine:
                 if self._on_token(r, token, events):
                     break
             r.decoder.commit(kept)
+            if r in joint:
+                self.scheduler.observe_cycle(r.id, *r.decoder.decoder.last_cycle)
             if r.done:
                 self._release(r)
-        return events
+        self.scheduler.observe_round(time.perf_counter() - t0, complete, "" if complete else "prefill or error")
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:
@@ -237,7 +257,7 @@ class Engine:
             drafter = Drafter(self.draft.model, self.config.recovery, self.config.prefill_step)
             jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
                               self.config.prefill_step)
-            return _Joint(jd, self.config.draft_budget)
+            return _Joint(jd)
         return _Baseline(generate_step(
             mx.array(r.prompt), self.lm.model, max_tokens=-1,
             sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
@@ -280,6 +300,7 @@ class Engine:
         events.append(m.Error(r.id, "generation_failed", f"generation failed: {type(exc).__name__}: {exc}", 500))
 
     def _release(self, r: _Request) -> None:
+        self.scheduler.forget(r.id)
         if r in self._active:
             self._active.remove(r)
         if isinstance(r.decoder, _Joint):

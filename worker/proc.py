@@ -143,7 +143,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-active", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=64)
     p.add_argument("--draft", default=None)
-    p.add_argument("--draft-budget", type=int, default=4)
+    p.add_argument("--draft-budget", type=int, default=None)
+    p.add_argument("--decision-log", default=None)
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     return p.parse_args(argv)
 
@@ -163,7 +164,8 @@ def run_worker(argv: list[str] | None = None) -> int:
         install_recording(lm.model)
         install_recording(draft.model)
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
-                          draft_budget=args.draft_budget, recovery=args.recovery)
+                          draft_budget=args.draft_budget, recovery=args.recovery,
+                          decision_log=args.decision_log)
     engine = Engine(lm, config, draft)
     engine.warmup()
     proc = WorkerProc(engine, lm, args.runtime_dir)

@@ -5,6 +5,7 @@ Pure Python, no MLX: the web UI's allocation view and the tests use the same fun
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 
@@ -30,3 +31,232 @@ def allocate(survival: Sequence[Sequence[float]], budget: int) -> list[int]:
     for r, j in rank(survival)[:budget]:
         lengths[r] = max(lengths[r], j)
     return lengths
+
+
+# ---- acceptance ----
+
+PRIOR_ACCEPT, PRIOR_REJECT = 1.0, 1.0  # Beta(1, 1): an untried position is a coin flip
+DECAY = 0.95  # per observation: acceptance follows the text as it changes
+
+
+class Acceptance:
+    """Conditional acceptance per draft position from decayed counts with a Beta prior."""
+
+    def __init__(self, max_positions: int):
+        self.accepted = [0.0] * max_positions
+        self.tried = [0.0] * max_positions
+
+    def observe(self, k: int, n: int) -> None:
+        """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
+        for j in range(min(n + 1, k, len(self.tried))):
+            self.accepted[j] = self.accepted[j] * DECAY + (j < n)
+            self.tried[j] = self.tried[j] * DECAY + 1
+
+    def rates(self) -> list[float]:
+        return [(a + PRIOR_ACCEPT) / (t + PRIOR_ACCEPT + PRIOR_REJECT) for a, t in zip(self.accepted, self.tried)]
+
+
+# ---- cost of complete rounds ----
+
+WINDOW = 32  # measurements per cell
+STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
+PROBE_EVERY = 16  # with speculation off, try one drafted token this often (acceptance drifts)
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class CostModel:
+    """A table C(N, B, D) of median round times over a sliding window.
+
+    A table, not fitted parts: measured costs are staircases (kernel tiles, cache lines, BLAS
+    paths), and a round's cost is what the scheduler trades against, so it is measured whole.
+    Unmeasured cells are interpolated along B from measured neighbours of the same N (linear,
+    never decreasing); with nothing to interpolate from, a cell beyond the measured range is
+    estimated at the largest measured cost plus that cost per extra token times PRIOR_SLOPE.
+    Fed one round late: `observe` holds a round until the next `commit`, so a round that is
+    later found interrupted (`interrupt`) never enters the table.
+    """
+
+    PRIOR_SLOPE = 0.25  # guessed extra cost per drafted token, relative to a plain round
+
+    def __init__(self):
+        self.cells: dict[tuple[int, int, int], list[float]] = {}
+        self.pending: tuple | None = None
+        self.set_apart: list[tuple] = []  # interrupted, partial or stalled rounds
+
+    def observe(self, key: tuple[int, int, int], seconds: float) -> None:
+        self.commit()
+        self.pending = (key, seconds)
+
+    def interrupt(self, reason: str) -> None:
+        if self.pending is not None:
+            self.set_apart.append((*self.pending, reason))
+            self.pending = None
+
+    def commit(self) -> None:
+        if self.pending is None:
+            return
+        key, seconds = self.pending
+        self.pending = None
+        cell = self.cells.setdefault(key, [])
+        if len(cell) >= 3 and seconds > STALL_FACTOR * _median(cell):
+            self.set_apart.append((key, seconds, "stall"))
+            return
+        cell.append(seconds)
+        del cell[:-WINDOW]
+
+    def table(self) -> dict[str, float]:
+        """Medians of the measured cells, keyed "N,B,D" (what decisions are logged with)."""
+        return {f"{n},{b},{d}": _median(v) for (n, b, d), v in sorted(self.cells.items()) if v}
+
+
+def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
+    """Cost of a round from a logged table (see CostModel); None when nothing of this N is known."""
+    exact = table.get(f"{n},{b},{d}")
+    if exact is not None:
+        return exact
+    same_n = {}
+    for key, v in table.items():
+        kn, kb, _ = map(int, key.split(","))
+        if kn == n:
+            same_n[kb] = min(v, same_n.get(kb, v))
+    if not same_n:
+        return None
+    below = [x for x in same_n if x < b]
+    above = [x for x in same_n if x > b]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return same_n[lo] + (same_n[hi] - same_n[lo]) * (b - lo) / (hi - lo)
+    if above:
+        return same_n[min(above)]
+    lo = max(below)
+    base = same_n.get(0, same_n[min(same_n)])
+    slope = CostModel.PRIOR_SLOPE * base / max(n, 1)
+    if len(below) >= 2:
+        lo2 = max(x for x in below if x != lo)
+        slope = max(slope, (same_n[lo] - same_n[lo2]) / (lo - lo2))
+    return same_n[lo] + slope * (b - lo)
+
+
+# ---- the decision ----
+
+
+def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
+           probe: bool = False) -> dict:
+    """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
+
+    `acceptance` has one row per joint request (baseline requests count in N only). Candidates
+    whose cost cannot be estimated are skipped; B = 0 is always a candidate. With `probe`, a
+    round that would draft nothing drafts one token so acceptance keeps being observed.
+    Returns the inputs' derived values and the choice, as logged and replayed.
+    """
+    surv = [survivals(a) for a in acceptance]
+    ranked = rank(surv)
+    candidates = []
+    gain = float(n_requests)
+    measured = [int(k.split(",")[1]) for k in table if int(k.split(",")[0]) == n_requests]
+    reach = max(measured, default=-1) + 1  # explore one budget past the largest measured one
+    for b in range(0, min(b_max, len(ranked), reach) + 1):
+        if b:
+            r, j = ranked[b - 1]
+            gain += surv[r][j - 1]
+        lengths = allocate(surv, b)
+        d = max(lengths, default=0)
+        cost = estimate(table, n_requests, b, d)
+        if cost is None and b == 0:
+            cost = 1.0  # nothing measured yet: start plain, which measures B = 0
+        if cost is not None:
+            candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / cost})
+    best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
+    budget = best["B"]
+    if probe and budget == 0 and surv:
+        budget = 1
+    return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
+
+
+# ---- the scheduler the engine runs ----
+
+POSITIONS = 8  # deepest draft of one request
+DEFAULT_B_MAX = 16  # drafted tokens in one round, all requests together
+
+
+class Scheduler:
+    """Chooses each round's draft lengths: adaptive (the rule above) or fixed per request."""
+
+    def __init__(self, fixed: int | None = None, b_max: int = DEFAULT_B_MAX, log_path: str | None = None):
+        self.fixed, self.b_max = fixed, b_max
+        self.cost = CostModel()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.rounds = 0
+        self.rounds_without_draft = 0
+        self._round: tuple[int, int, int] | None = None
+        self._log = open(log_path, "a", buffering=1) if log_path else None
+
+    def plan(self, joint_ids: list[str], n_requests: int) -> list[int]:
+        """Draft length for each joint request of this round (n_requests counts baseline ones)."""
+        self.cost.commit()  # the previous round, now known to be complete
+        self.rounds += 1
+        if self.fixed is not None:
+            lengths = [self.fixed] * len(joint_ids)
+        else:
+            rates = [self.acceptance.setdefault(i, Acceptance(POSITIONS)).rates() for i in joint_ids]
+            probe = self.rounds_without_draft >= PROBE_EVERY
+            table = self.cost.table()
+            d = decide(rates, n_requests, table, self.b_max, probe)
+            lengths = d["allocation"]
+            if self._log:
+                self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
+                                            "b_max": self.b_max, "probe": probe, "acceptance": rates,
+                                            "cost_table": table, **d}) + "\n")
+        drafted = sum(lengths)
+        self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
+        self._round = (n_requests, drafted, max(lengths, default=0))
+        return lengths
+
+    def observe_cycle(self, request_id: str, k: int, n: int) -> None:
+        if k:
+            self.acceptance.setdefault(request_id, Acceptance(POSITIONS)).observe(k, n)
+
+    def observe_round(self, seconds: float, complete: bool, reason: str = "") -> None:
+        if self._round is None:
+            return
+        if complete:
+            self.cost.observe(self._round, seconds)
+        else:
+            self.cost.set_apart.append((self._round, seconds, reason))
+        self._round = None
+
+    def interrupt(self, reason: str) -> None:
+        """The last observed round turned out not to be a complete one."""
+        self.cost.interrupt(reason)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+
+def replay(lines: Sequence[str]) -> list[str]:
+    """Recomputes every logged decision from its inputs; returns the differences found."""
+    diffs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"])
+        for key in ("survival", "candidates", "budget", "allocation"):
+            if not _same(got[key], rec[key]):
+                diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")
+    return diffs
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-9 * max(1.0, abs(a))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -100,6 +100,7 @@ class JointDecoder:
         s.draft_s += t1 - t0
         s.verify_s += t2 - t1
         s.record_acceptance(k, n)
+        self.last_cycle = (k, n)
         return emitted
 
     def commit(self, m: int) -> None:

@@ -1,0 +1,148 @@
+"""The draft-budget scheduler: allocation rule, cost model, decisions, replay, and exactness
+of several joint requests decoded together under it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from joint_fixtures import PAIRS, load_pair
+from protocol import messages as m
+from worker.engine import Engine, EngineConfig
+from worker.scheduler import CostModel, Scheduler, allocate, decide, rank, survivals
+
+EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
+
+
+def test_design_example():
+    surv = [survivals(a) for a in EXAMPLE.values()]
+    assert [[round(s, 3) for s in row] for row in surv] == [[0.95, 0.855, 0.727], [0.8, 0.48, 0.192], [0.6, 0.3, 0.09]]
+    assert " ".join("ABC"[r] + str(j) for r, j in rank(surv)) == "A1 A2 B1 A3 C1 B2 C2 B3 C3"
+    assert allocate(surv, 4) == [3, 1, 0]
+    assert allocate(surv, 0) == [0, 0, 0] and allocate(surv, 9) == [3, 3, 3]
+
+
+def test_ties_go_by_request_then_position():
+    assert rank([[0.5, 0.5], [0.5]]) == [(0, 1), (0, 2), (1, 1)]
+    assert allocate([[0.5, 0.5], [0.5]], 2) == [2, 0]
+
+
+def _oracle(surv, budget):
+    """Every prefix-closed allocation of exactly `budget` positions; the best total survival."""
+    best, winners = -1.0, []
+    for lengths in itertools.product(*(range(len(row) + 1) for row in surv)):
+        if sum(lengths) != budget:
+            continue
+        total = sum(sum(row[:n]) for row, n in zip(surv, lengths))
+        if total > best + 1e-12:
+            best, winners = total, [list(lengths)]
+        elif abs(total - best) <= 1e-12:
+            winners.append(list(lengths))
+    return best, winners
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_allocation_matches_brute_force(seed):
+    rng = random.Random(seed)
+    levels = [0.2, 0.5, 0.5, 0.8, 1.0]  # repeated values make ties
+    surv = [survivals([rng.choice(levels) if seed % 2 else rng.random() for _ in range(rng.randint(1, 4))])
+            for _ in range(rng.randint(1, 4))]
+    for budget in range(sum(len(r) for r in surv) + 1):
+        lengths = allocate(surv, budget)
+        best, winners = _oracle(surv, budget)
+        assert sum(lengths) == budget
+        assert lengths in winners, (surv, budget, lengths, best)
+
+
+def test_cost_model_keeps_only_complete_rounds():
+    cm = CostModel()
+    cm.observe((1, 0, 0), 0.010)
+    cm.observe((1, 0, 0), 0.011)  # commits the first: one round late
+    assert cm.table() == {"1,0,0": 0.010}
+    cm.interrupt("cancel")  # the second round turned out interrupted
+    cm.commit()
+    assert cm.table() == {"1,0,0": 0.010} and cm.set_apart[-1][2] == "cancel"
+    for t in (0.010, 0.012, 0.011, 0.5):  # 0.5 is a stall
+        cm.observe((1, 0, 0), t)
+    cm.commit()
+    assert cm.table() == {"1,0,0": pytest.approx(0.0105)} and cm.set_apart[-1][2] == "stall"
+    s = Scheduler()
+    s.plan(["a"], 1)
+    s.observe_round(1.0, complete=False, reason="prefill")
+    s.plan(["a"], 1)
+    assert s.cost.table() == {} and s.cost.set_apart[-1][2] == "prefill"
+
+
+def test_speculation_switches_off_when_it_does_not_pay():
+    cheap = {"1,0,0": 1.0, "1,1,1": 1.05, "1,2,2": 1.1, "1,3,3": 1.15}
+    assert decide([[0.9, 0.9, 0.9, 0.9]], 1, cheap, 8)["budget"] >= 3
+    costly = {"1,0,0": 1.0, "1,1,1": 1.9, "1,2,2": 2.8}
+    assert decide([[0.9, 0.9, 0.9]], 1, costly, 8)["budget"] == 0
+    assert decide([[0.05, 0.05]], 1, cheap, 8)["budget"] == 0
+    assert decide([[0.05]], 1, cheap, 8, probe=True)["budget"] == 1
+    first = decide([[0.5]], 1, {}, 8)  # nothing measured: start plain
+    assert first["budget"] == 0 and [c["B"] for c in first["candidates"]] == [0]
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    return load_pair(tmp_path_factory.mktemp("sched"), "llama+llama")
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    return load_pair(tmp_path_factory.mktemp("sched-h"), "qwen3_5+qwen3_5")
+
+
+def _run(engine, reqs):
+    for rid, req in reqs.items():
+        engine.submit(rid, req)
+    out = {rid: [] for rid in reqs}
+    while engine.has_work():
+        for e in engine.step():
+            if isinstance(e, m.TextDelta):
+                out[e.request_id] += e.token_ids
+    return out
+
+
+@pytest.mark.parametrize("pair_name", ["llama+llama", "qwen3_5+qwen3_5"])
+def test_four_concurrent_joint_requests_equal_their_baselines(pair_name, llama_pair, hybrid_pair, tmp_path):
+    pair = llama_pair if pair_name == "llama+llama" else hybrid_pair
+    texts = ["hello world", "the quick brown fox", "once upon a time", "tell me a story"]
+    reqs = {f"{mode}{i}": m.GenerateRequest(messages=[m.Message("user", t)], max_tokens=32, temperature=0.0,
+                                            ignore_eos=True, mode=mode)
+            for i, t in enumerate(texts) for mode in ("joint", "baseline")}
+    log = tmp_path / "decisions.jsonl"
+    engine = Engine(pair.target, EngineConfig(max_active=4, decision_log=str(log)), pair.drafts["perturbed"])
+    joint = _run(engine, {k: v for k, v in reqs.items() if k.startswith("joint")})
+    base = _run(Engine(pair.target, EngineConfig(max_active=1)), {k: v for k, v in reqs.items() if k.startswith("base")})
+    for i in range(len(texts)):
+        assert joint[f"joint{i}"] == base[f"baseline{i}"]
+    lines = log.read_text().splitlines()
+    assert len(lines) > 10 and any(json.loads(x)["budget"] > 0 for x in lines)
+    assert any(len(json.loads(x)["requests"]) == 4 for x in lines)
+
+
+def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    engine = Engine(llama_pair.target, EngineConfig(max_active=2, decision_log=str(log)), llama_pair.drafts["perturbed"])
+    _run(engine, {f"r{i}": m.GenerateRequest(messages=[m.Message("user", t)], max_tokens=40, temperature=0.0,
+                                             ignore_eos=True, mode="joint")
+                  for i, t in enumerate(["hello world", "once upon a time"])})
+    verity = [sys.executable, "-m", "cli.main", "replay"]
+    r = subprocess.run([*verity, str(log)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 differences" in r.stderr
+    lines = log.read_text().splitlines()
+    rec = json.loads(lines[-1])
+    rec["acceptance"][0][0] = 0.01 if rec["acceptance"][0][0] > 0.5 else 0.99
+    rec["cost_table"] = {k: v * (3.0 if k.split(",")[1] != "0" else 1.0) for k, v in rec["cost_table"].items()}
+    altered = tmp_path / "altered.jsonl"
+    altered.write_text("\n".join(lines[:-1] + [json.dumps(rec)]) + "\n")
+    r = subprocess.run([*verity, str(altered)], capture_output=True, text=True)
+    assert r.returncode == 1 and f"line {len(lines)}" in r.stdout, r.stdout + r.stderr
