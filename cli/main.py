@@ -1,4 +1,4 @@
-"""verity: clients of a running stack (generate, chat) and benchmarks."""
+"""verity: clients of a running stack (generate, chat, monitor) and benchmarks."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verity")
     sub = p.add_subparsers(dest="command", required=True)
-    from cli import bench, client, replay
+    from cli import bench, client, monitor, replay
 
     client.add_commands(sub)
+    monitor.add_commands(sub)
     bench.add_commands(sub)
     replay.add_commands(sub)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

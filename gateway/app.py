@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
+from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens
 
@@ -202,4 +203,5 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
+    Surfaces(gw).register(app)  # web UI, /metrics, /v1/verity/info and /v1/verity/stats
     return app

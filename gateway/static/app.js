@@ -1,0 +1,57 @@
+// Boot: views by URL hash, server status, what the server offers (GET /v1/verity/info).
+
+import { api, askForKey, hasKey } from "./api.js";
+import { applyInfo, initChat } from "./chat.js";
+import { initAllocation } from "./allocation.js";
+
+const $ = (id) => document.getElementById(id);
+const VIEWS = ["chat", "allocation"];
+
+function showView() {
+  const name = VIEWS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "chat";
+  for (const v of VIEWS) $(v).hidden = v !== name;
+  document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === name));
+}
+
+function setStatus(state, text) {
+  $("status").dataset.state = state;
+  $("status").textContent = text;
+}
+
+// /health needs no key: it says whether the worker is ready.
+async function pollHealth() {
+  try {
+    const r = await fetch("/health");
+    const h = await r.json();
+    if (r.ok) setStatus("ok", "ready");
+    else setStatus("down", h.status === "draining" ? "shutting down" : "worker starting…");
+  } catch {
+    setStatus("down", "server unreachable");
+  }
+}
+
+async function loadInfo() {
+  for (;;) {
+    try {
+      const info = await (await api("/v1/verity/info")).json();
+      if (info.ready) {
+        $("model").textContent = info.model + (info.draft_id ? ` · draft ${info.draft_id}` : "");
+        applyInfo(info);
+        $("key-button").hidden = !hasKey();
+        return;
+      }
+    } catch {
+      // not reachable yet: retry below
+    }
+    await new Promise((resolve) => setTimeout(resolve, 2000));
+  }
+}
+
+window.addEventListener("hashchange", showView);
+showView();
+initChat();
+initAllocation();
+$("key-button").addEventListener("click", () => askForKey("Enter the API key to use from now on."));
+pollHealth();
+setInterval(pollHealth, 3000);
+loadInfo();

@@ -1,0 +1,101 @@
+"""The routes people look at: the web UI at /, GET /metrics, and the verity extensions
+GET /v1/verity/info (what the UI needs) and GET /v1/verity/stats (what `verity monitor` shows).
+
+/v1/ routes need the API key when one is set; /, /static/ and /metrics do not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+
+from gateway.metrics import Counters, Exposition, render
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+STATIC_DIR = Path(__file__).parent / "static"
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+# Everything the page uses comes from this server: no CDN, no fonts, no analytics.
+UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
+              "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("verity-serve")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+class Surfaces:
+    def __init__(self, gw: "Gateway"):
+        self.gw = gw
+        self.counters = Counters()
+        gw.link.on_end.append(self.counters.observe)
+
+    def register(self, app: web.Application) -> None:
+        app.on_response_prepare.append(self._count_response)
+        app.router.add_get("/", self.index)
+        app.router.add_static("/static/", STATIC_DIR, append_version=False)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/verity/info", self.info)
+        app.router.add_get("/v1/verity/stats", self.stats)
+
+    async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        if request.method == "POST" and request.path in GENERATE_PATHS:
+            self.counters.http[str(response.status)] += 1
+        if request.path == "/" or request.path.startswith("/static/"):
+            response.headers.update(UI_HEADERS)
+
+    async def index(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html")
+
+    def _worker(self) -> dict | None:
+        w = self.gw.link.worker
+        return None if w is None else {"pid": w.pid, "model": w.model_id, "draft_id": w.draft_id,
+                                       "joint_available": w.joint_available, "context_limit": w.context_limit}
+
+    async def info(self, request: web.Request) -> web.Response:
+        w = self._worker() or {}
+        return web.json_response({
+            "ready": bool(w), "model": w.get("model"), "joint_available": w.get("joint_available", False),
+            "draft_id": w.get("draft_id"), "context_limit": w.get("context_limit"),
+            "max_tokens_cap": self.gw.config.max_tokens_cap, "version": _version(),
+        })
+
+    def _load(self) -> tuple[int, int]:
+        """(running, waiting) among the admitted requests."""
+        waiting = self.gw.link.waiting_count()
+        return len(self.gw.link.requests) - waiting, waiting
+
+    async def stats(self, request: web.Request) -> web.Response:
+        gw, link = self.gw, self.gw.link
+        running, waiting = self._load()
+        snap = link.worker_stats
+        return web.json_response({
+            "time": time.time(),
+            "launcher": {"pid": os.getppid()},
+            "gateway": {"pid": os.getpid(), "started_at": gw.started_at, "draining": gw.draining,
+                        "admitted": running + waiting, "running": running, "waiting": waiting,
+                        "capacity": link.capacity, "worker_restarts": link.worker_restarts},
+            "worker": self._worker(),
+            "worker_stats": None if snap is None else msgspec.to_builtins(snap),
+            "totals": self.counters.totals(),
+            "recent": self.counters.recent_summary(),
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        link = self.gw.link
+        running, waiting = self._load()
+        text = render(self.counters, model=link.worker.model_id if link.worker else None,
+                      draft=link.worker.draft_id if link.worker else None, worker_up=link.ready,
+                      running=running, waiting=waiting, worker_restarts=link.worker_restarts,
+                      stats=link.worker_stats)
+        return web.Response(body=text.encode(), headers={"Content-Type": Exposition.CONTENT_TYPE})
