@@ -20,6 +20,7 @@ from typing import Optional
 import zmq
 
 from cli.blas import blas_env
+from cli.config import ArgumentParser, parse_with_config
 from protocol import codec, messages as m, runtime
 
 log = logging.getLogger("verity.launch")
@@ -46,7 +47,7 @@ class Child:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch-stack", description="Serve one MLX model: worker + gateway.")
+    p = ArgumentParser(prog="launch-stack", description="Serve one MLX model: worker + gateway.")
     p.add_argument("--model", default="embedded", help="'embedded' (SmolLM2-135M-Instruct), a local MLX folder or a Hugging Face id")
     p.add_argument("--draft", default=None, help="a draft model for joint mode (same tokenizer as the target)")
     p.add_argument("--draft-budget", type=int, default=None,
@@ -65,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keepalive-s", type=float, default=5.0)
     p.add_argument("--max-restarts", type=int, default=5, help=f"worker deaths within {RESTART_WINDOW_S:.0f}s before giving up")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
-    return p.parse_args(argv)
+    return parse_with_config(p, argv)
 
 
 class Supervisor:

@@ -1,0 +1,93 @@
+"""`launch-stack --config FILE`: a TOML file holding values for launch-stack's flags.
+
+Keys are the flag names without the dashes (`max-active = 2`; `max_active` works too). Flags on
+the command line override the file. Unknown keys and values of the wrong type are refused with
+a message that names them: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from typing import Any
+
+EXIT_USAGE = 1  # launch-stack's "the start failed"; argparse's usual 2 means "the worker kept dying" here
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with usage errors exiting 1, so launch-stack's exit codes keep their meaning."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Long flag name without dashes -> its action, for every flag a file may set."""
+    out = {}
+    for action in parser._actions:
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if long and action.dest not in ("help", "config"):
+            out[long[0][2:]] = action
+    return out
+
+
+def _value(key: str, action: argparse.Action, value: Any) -> Any:
+    """The value checked against the flag's type and choices; ValueError names what is wrong."""
+    want = action.type
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif want is int:
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif want is float:
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    else:
+        ok, kind = isinstance(value, str), "a string"
+        if ok and want is not None:
+            value = want(value)
+    if not ok:
+        raise ValueError(f"`{key}` must be {kind}, not {type(value).__name__} {value!r}")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"`{key}` must be one of {', '.join(map(str, action.choices))}, not {value!r}")
+    return value
+
+
+def load_config(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """{dest: value} from the file, for parser.set_defaults; ValueError on any problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path} is not valid TOML: {e}") from None
+    flags = _flags(parser)
+    unknown = sorted(k for k in data if k.replace("_", "-") not in flags)
+    if unknown:
+        raise ValueError(f"{path}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(flags))})")
+    out = {}
+    for key, value in data.items():
+        action = flags[key.replace("_", "-")]
+        if action.dest in out:
+            raise ValueError(f"{path}: `{key}` is set twice")
+        try:
+            out[action.dest] = _value(key, action, value)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return out
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parses argv; values from --config FILE stand in for the defaults, so flags override them."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a TOML file of these flags' values (max-active = 2, ...); flags given here override it")
+    known, _ = parser.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**load_config(parser, known.config))
+        except ValueError as e:  # the message says it all: no usage text
+            parser.exit(EXIT_USAGE, f"{parser.prog}: error: {e}\n")
+    return parser.parse_args(argv)
