@@ -17,6 +17,9 @@ import mlx.core as mx  # noqa: E402
 
 from joint_fixtures import DRAFTS, PAIRS, baseline_greedy, joint_greedy, load_pair, make_drafter, prompt_ids  # noqa: E402
 from worker.spec import state as st  # noqa: E402
+from worker.spec.batch import joint_round  # noqa: E402
+from worker.spec.joint import JointDecoder  # noqa: E402
+from worker.spec.sampling import SamplingParams  # noqa: E402
 
 PROMPTS, TOKENS = ["the quick brown fox", "once upon a time"], 24
 
@@ -58,7 +61,34 @@ def main(root: Path) -> None:
                     res["cycles"] += jd.stats.cycles
                     res["rollbacks"] += jd.stats.rollbacks
                 results[f"{name}/{kind}/{recovery}"] = res
+        for recovery in ("fast", "replay"):
+            results[f"{name}/batched/{recovery}"] = batched(pair, recovery)
     print(json.dumps(results))
+
+
+def batched(pair, recovery: str) -> dict:
+    """Three requests per round in batched forwards, with budgets that differ between them."""
+    res = {"cycles": 0, "rollbacks": 0, "target_mismatches": 0, "draft_mismatches": 0}
+    texts = ["the quick brown fox", "once upon a time", "hi"]
+    decs, refs = [], []
+    for i, text in enumerate(texts):
+        prompt = prompt_ids(pair.target, text)
+        drafter = make_drafter(pair, "perturbed", recovery, baseline_greedy(pair.target, prompt, TOKENS))
+        decs.append(JointDecoder(pair.target.model, drafter, prompt, SamplingParams(), recovery=recovery))
+        refs.append((SequentialReference(pair.target.model), SequentialReference(drafter.model)))
+    for d in decs:
+        d.start()
+    for rnd in range(TOKENS // 2):
+        budgets = [(rnd + i) % 4 for i in range(len(decs))]  # 0..3, a request with 0 sits out drafting
+        for d, emitted in zip(decs, joint_round(decs, budgets)):
+            d.commit(len(emitted))
+        for d, (t_ref, d_ref) in zip(decs, refs):
+            res["target_mismatches"] += not t_ref.matches(d.cache, d.tokens[:-1])
+            res["draft_mismatches"] += not d_ref.matches(d.drafter.cache, d.drafter.consumed)
+    for d in decs:
+        res["cycles"] += d.stats.cycles
+        res["rollbacks"] += d.stats.rollbacks
+    return res
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from protocol import messages as m
 from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
 from worker.spec.draft import Drafter
+from worker.spec.batch import joint_round
 from worker.spec.joint import CycleStats, JointDecoder
 from worker.spec.sampling import SamplingParams
 from worker.scheduler import Scheduler
@@ -34,6 +35,7 @@ class EngineConfig:
     draft_budget: Optional[int] = None  # fixed tokens drafted per joint cycle; None: adaptive
     max_round_budget: int = 16  # adaptive: drafted tokens in one round, all requests together
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
+    batch_verify: bool = True  # joint requests of a round share batched draft and verify forwards
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
 
 
@@ -206,9 +208,12 @@ class Engine:
             r.decoder.budget = k
         complete = all(r.decoder.started for r in self._active)  # a prefill is no decode round
         t0 = time.perf_counter()
+        batching = self.config.batch_verify and len(joint) > 1
+        batched = self._batched_cycles(joint, events) if batching else {}
+        complete = complete and (not batching or len(batched) == len(joint))
         for r in list(self._active):
             try:
-                tokens = r.decoder.advance()
+                tokens = batched[r.id] if r.id in batched else r.decoder.advance()
             except Exception as e:  # a failure of one request must not take the others down
                 complete = False
                 self._fail(r, e, events)
@@ -224,6 +229,18 @@ class Engine:
             if r.done:
                 self._release(r)
         self.scheduler.observe_round(time.perf_counter() - t0, complete, "" if complete else "prefill or error")
+
+    def _batched_cycles(self, joint: list, events: list) -> dict[str, list[int]]:
+        """One cycle for every started joint request in batched forwards; {id: emitted tokens}."""
+        try:
+            emitted = joint_round([r.decoder.decoder for r in joint], [r.decoder.budget for r in joint])
+        except Exception as e:  # the batch failed: each of its requests ends with the error
+            for r in joint:
+                self._fail(r, e, events)
+            return {}
+        for r in joint:
+            r.decoder.cycled = True
+        return {r.id: e for r, e in zip(joint, emitted)}
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:

@@ -77,28 +77,41 @@ class JointDecoder:
     def cycle(self, k: int) -> list[int]:
         """Drafts k, verifies, returns the tokens to emit (the accepted drafts and the target's own).
 
-        The caller must then `commit(m)` with how many of them it kept (fewer after a stop)."""
+        The caller must then `commit(m)` with how many of them it kept (fewer after a stop).
+        worker/spec/batch.py drives the same phases for several requests at once."""
         t0 = time.perf_counter()
-        position = len(self.tokens) - self.prompt_len  # output index of d1
-        drafted, qs = self.drafter.propose(self.tokens, k, position, self.params, self.key_fn)
+        drafted, qs = self.drafter.propose(self.tokens, k, self.position, self.params, self.key_fn)
         t1 = time.perf_counter()
-        y = self.tokens[-1]
-        ck = st.checkpoint(self.cache) if self.recovery == "replay" else None
+        ck = self.prepare_verify(k)
+        logits = self.target(mx.array([self.tokens[-1]] + drafted)[None], cache=self.cache)[0]
+        return self.accept(drafted, qs, logits, ck, t1 - t0, t1)
+
+    @property
+    def position(self) -> int:
+        """Output index of the next draft token (d1)."""
+        return len(self.tokens) - self.prompt_len
+
+    def prepare_verify(self, k: int) -> Optional[st.Checkpoint]:
+        """Before the verify forward: the replay checkpoint, or per-position recording."""
         st.set_record(self.cache, self.recovery == "fast" and k > 0)
-        logits = self.target(mx.array([y] + drafted)[None], cache=self.cache)[0]
+        return st.checkpoint(self.cache) if self.recovery == "replay" else None
+
+    def accept(self, drafted: list[int], qs: list, logits: mx.array, ck: Optional[st.Checkpoint],
+               draft_s: float, verify_start: float) -> list[int]:
+        """Accepts from the verify logits of [y, d1..dk] and holds the cycle for commit()."""
         if self.params.greedy:
             n, own = accept_greedy(drafted, logits)
         else:
             n, own = accept_sampled(drafted, qs, logits, self.params, self.key_fn)
-        t2 = time.perf_counter()
+        k = len(drafted)
         emitted = drafted[:n] + [own]
         self._pending = (drafted, emitted, ck)
         s = self.stats
         s.cycles += 1
         s.drafted += k
         s.accepted += n
-        s.draft_s += t1 - t0
-        s.verify_s += t2 - t1
+        s.draft_s += draft_s
+        s.verify_s += time.perf_counter() - verify_start
         s.record_acceptance(k, n)
         self.last_cycle = (k, n)
         return emitted

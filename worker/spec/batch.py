@@ -1,0 +1,169 @@
+"""Joint cycles of several requests together: one batched draft forward per draft step, one
+batched target forward for all the verifies, then per-request acceptance and recovery.
+
+The requests' caches are merged into batch caches for the round (attention KV left-padded by
+mlx-lm's BatchKVCache; recurrent state stacked) and split back afterwards. Merging copies, so a
+request's cache from before the round is untouched: it is the replay path's checkpoint. Inputs of
+different lengths are right-padded; padded positions never change a request's recurrent state
+(the ArraysCache length mask) and their KV lands after its real tokens, where it is trimmed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from worker.spec import state as st
+from worker.spec.draft import Drafter
+from worker.spec.joint import JointDecoder
+
+
+def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
+    """Runs one cycle for each decoder (k from `budgets`); returns each one's emitted tokens.
+    Each decoder must then be committed as after JointDecoder.cycle."""
+    t0 = time.perf_counter()
+    drafts = draft_batch([d.drafter for d in decoders], [d.tokens for d in decoders], budgets,
+                         [d.position for d in decoders], decoders)
+    t1 = time.perf_counter()
+    cks = [d.prepare_verify(k) for d, k in zip(decoders, budgets)]
+    logits = verify_batch(decoders, [dr for dr, _ in drafts])
+    share = (t1 - t0) / len(decoders)
+    return [d.accept(dr, qs, logits[i, : len(dr) + 1], ck, share, t1)
+            for i, (d, (dr, qs), ck) in enumerate(zip(decoders, drafts, cks))]
+
+
+# ---- merging and splitting caches ----
+
+
+def merge(caches: list[list]) -> list:
+    """Per-request caches (each a list over layers) -> one batch cache per layer."""
+    out = []
+    for layer in zip(*caches):
+        if isinstance(layer[0], KVCache):
+            out.append(BatchKVCache.merge(list(layer)))
+        else:
+            b = st.RecordingArraysCache(len(layer[0].cache))
+            b.cache = [mx.concatenate([c.cache[e] for c in layer]) for e in range(len(b.cache))]
+            out.append(b)
+    return out
+
+
+def _split_kv(c: BatchKVCache, i: int, extra: int) -> KVCache:
+    kv = c.extract(i)
+    kv.trim(extra)
+    return kv
+
+
+def _set_lengths(batch: list, lengths: Optional[list[int]]) -> None:
+    for c in batch:
+        if isinstance(c, st.RecordingArraysCache):
+            c.lengths = None if lengths is None else mx.array(lengths)
+
+
+# ---- the target ----
+
+
+def verify_batch(decoders: list[JointDecoder], drafted: list[list[int]]) -> mx.array:
+    """One forward of every request's [y, d1..dk]; leaves each decoder with its own cache holding
+    the recorded per-position states of its real tokens. Returns logits [N, L, V]."""
+    rows = [[d.tokens[-1]] + dr for d, dr in zip(decoders, drafted)]
+    lens = [len(r) for r in rows]
+    width = max(lens)
+    x = mx.array([r + [0] * (width - len(r)) for r in rows])
+    batch = merge([d.cache for d in decoders])
+    _set_lengths(batch, lens)
+    st.set_record(batch, True)
+    logits = decoders[0].target(x, cache=batch)
+    for i, (d, n) in enumerate(zip(decoders, lens)):
+        d.cache = [_split_kv(c, i, width - n) if isinstance(c, BatchKVCache) else _split_recorded(c, i, n)
+                   for c in batch]
+    return logits
+
+
+def _split_recorded(c: st.RecordingArraysCache, i: int, n: int) -> st.RecordingArraysCache:
+    r = st.RecordingArraysCache(len(c.cache))
+    r.conv_input, r.n_keep = c.conv_input[i : i + 1], c.n_keep
+    r.states = [s[i : i + 1] for s in c.states[:n]]
+    r.cache = [mx.contiguous(r.conv_input[:, n : n + r.n_keep, :]), r.states[n - 1]]
+    r.record = True
+    return r
+
+
+# ---- the drafts ----
+
+
+def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: list[int], positions: list[int],
+                decoders: list[JointDecoder]) -> list[tuple[list[int], list]]:
+    """Proposes budgets[i] tokens for each drafter with batched draft forwards (requests with a
+    budget of 0 sit out). Leaves each drafter as Drafter.propose would."""
+    out: list[tuple[list[int], list]] = [([], []) for _ in drafters]
+    rows = [i for i, k in enumerate(budgets) if k > 0]
+    if not rows:
+        return out
+    if len(rows) == 1:
+        i = rows[0]
+        out[i] = drafters[i].propose(contexts[i], budgets[i], positions[i], decoders[i].params, decoders[i].key_fn)
+        return out
+    ds = [drafters[i] for i in rows]
+    ks = [budgets[i] for i in rows]
+    feeds = [contexts[i][len(d.consumed):] for i, d in zip(rows, ds)]
+    bases = [len(d.consumed) for d in ds]
+    before = [st.checkpoint(d.cache) for d in ds]  # merge copies: these stay valid
+    batch = merge([d.cache for d in ds])
+    width = max(len(f) for f in feeds)
+    for c in batch:
+        if isinstance(c, BatchKVCache):
+            c.prepare(right_padding=[width - len(f) for f in feeds])
+    _set_lengths(batch, [len(f) for f in feeds])
+    x = mx.array([f + [0] * (width - len(f)) for f in feeds])
+    logits = ds[0].model(x, cache=batch)
+    for c in batch:
+        if isinstance(c, BatchKVCache):
+            c.finalize()  # the right padding becomes left padding
+    last = mx.array([len(f) - 1 for f in feeds])
+    logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    steps, chosen = [], [[] for _ in rows]
+    probs = [[] for _ in rows]
+    for j in range(max(ks)):
+        if j:
+            _set_lengths(batch, [int(j < k) for k in ks])
+            logits = ds[0].model(x, cache=batch)[:, -1]
+        steps.append([tuple(c.cache) if isinstance(c, st.RecordingArraysCache) else None for c in batch])
+        toks = []
+        for r, (i, d) in enumerate(zip(rows, ds)):
+            dec = decoders[i]
+            tok, q = d.choose(logits[r], positions[i] + j, dec.params, dec.key_fn) if j < ks[r] else (mx.array([0]), None)
+            if j < ks[r]:
+                chosen[r].append(tok)
+                probs[r].append(q)
+            toks.append(tok)
+        x = mx.concatenate(toks)[:, None]
+    _set_lengths(batch, None)
+    for r, (i, d) in enumerate(zip(rows, ds)):
+        drafted = mx.concatenate(chosen[r]).tolist()
+        k, f = ks[r], len(feeds[r])
+        d.cache = [_split_kv(c, r, len(steps) - k) if isinstance(c, BatchKVCache) else _row(c.cache, r)
+                   for c in batch]
+        d._base = (bases[r], before[r]) if d.recovery == "replay" else None
+        d._steps = [] if d.recovery == "replay" else [
+            (bases[r] + f + j, _row_checkpoint(batch, steps[j], r, bases[r] + f + j)) for j in range(k)]
+        d.consumed = list(contexts[i]) + drafted[:-1]
+        out[i] = (drafted, probs[r])
+    return out
+
+
+def _row(arrays: list, r: int) -> st.RecordingArraysCache:
+    c = st.RecordingArraysCache(len(arrays))
+    c.cache = [a[r : r + 1] for a in arrays]
+    return c
+
+
+def _row_checkpoint(batch: list, step: list, r: int, length: int) -> st.Checkpoint:
+    """Request r's state after a draft step: its KV length and its rows of the recurrent arrays."""
+    return st.Checkpoint(
+        tuple(length if isinstance(c, BatchKVCache) else None for c in batch),
+        tuple(None if arrays is None else tuple(a[r : r + 1] for a in arrays) for arrays in step),
+    )
