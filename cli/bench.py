@@ -196,3 +196,5 @@ def add_commands(sub) -> None:
     o.add_argument("--prompt", default=DEFAULT_PROMPT)
     o.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     o.set_defaults(run=run_overhead)
+    __import__("cli.bench_spec").bench_spec.add_command(benches)  # verity bench spec (cli/bench_spec.py)
+    __import__("cli.bench_sched").bench_sched.add_command(benches)  # verity bench sched (cli/bench_sched.py)

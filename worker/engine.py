@@ -123,8 +123,12 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None):
+    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None,
+                 drafter_factory=None):
+        """drafter_factory(request_id, prompt) -> Drafter replaces the draft model's own drafter
+        (benchmarks: the controlled-acceptance draft; never served)."""
         self.lm, self.config, self.draft = lm, config, draft
+        self.drafter_factory = drafter_factory
         self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
         self.eos_ids = set(lm.tokenizer.eos_token_ids)
         self._lock = threading.Condition()
@@ -271,7 +275,8 @@ class Engine:
         req = r.req
         if req.mode == "joint":
             params = SamplingParams(req.temperature, req.top_p)
-            drafter = Drafter(self.draft.model, self.config.recovery, self.config.prefill_step)
+            drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
+                       else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step))
             jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
                               self.config.prefill_step)
             return _Joint(jd)

@@ -1,0 +1,202 @@
+"""`verity bench sched`: the adaptive draft budget against plain decoding and every fixed k.
+
+In-process engines (worker/engine.py, the code the worker runs), greedy, EOS ignored. Scenarios:
+
+- hybrid: a tiny Qwen3.5 target with a perturbed copy as draft (about half accepted);
+- embedded: SmolLM2-135M (float32) with the controlled-acceptance draft at α = 0.3, 0.6, 0.9
+  and with α following 0.9 → 0.2 → 0.9 over the output; a small random llama of the embedded
+  vocabulary runs its real forward, so drafting costs what a draft of that size costs.
+
+Each scenario runs with 1 and with 4 concurrent requests; with 4, adaptive also runs with
+one-after-another (unbatched) verification. One engine per configuration lives for the whole
+bench (the cost model learns as a server's would), is warmed once, and the configurations
+alternate over the repeats. Throughput is completion tokens of all requests over the wall time
+of the run; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from cli.bench import median, print_report, progress
+from cli.blas import reexec_with_blas
+
+ALPHAS = (0.3, 0.6, 0.9)
+SCHEDULE = (0.9, 0.2, 0.9)  # α over thirds of the output
+KS = (1, 2, 4)
+PROMPTS = ["Write a short story about a robot who learns to paint.", "Explain how rain forms, step by step.",
+           "List ten facts about the ocean.", "Describe a busy market on a summer morning."]
+GOAL_VS_FIXED, GOAL_VS_BASELINE = 0.95, 0.97
+QUICK = dict(tokens=12, tiny_tokens=16, repeats=1, ks=(1, 2), alphas=(0.9,), concurrency=(1, 4))
+
+
+@dataclass
+class Scenario:
+    name: str
+    target: object  # LoadedModel
+    draft: object  # LoadedModel: its model carries the drafting cost
+    tokens: int
+    alpha: Optional[Callable[[int], float]] = None  # controlled-acceptance draft when set
+
+
+def _chat(text: str, tokens: int, mode: str):
+    from protocol import messages as m
+
+    return m.GenerateRequest(messages=[m.Message("user", text)], max_tokens=tokens, temperature=0.0,
+                             ignore_eos=True, mode=mode)
+
+
+def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict):
+    from worker.engine import Engine, EngineConfig
+    from worker.spec.draft import ControlledDrafter
+
+    factory = None
+    if sc.alpha is not None:
+        vocab = len(sc.target.tokenizer)
+
+        def factory(rid, prompt):
+            ref = references[tuple(prompt)]
+            return ControlledDrafter(sc.draft.model, ref, sc.alpha, vocab, seed=hash(rid) & 0xFFFF)
+    return Engine(sc.target, EngineConfig(max_active=4, draft_budget=budget, batch_verify=batch), sc.draft, factory)
+
+
+def _run(engine, sc: Scenario, mode: str, n: int) -> tuple[float, list]:
+    """Submits n requests at once and decodes them to the end: (tokens/s, token lists)."""
+    from protocol import messages as m
+
+    t0 = time.perf_counter()
+    for i in range(n):
+        engine.submit(f"{mode}-{i}-{t0}", _chat(PROMPTS[i], sc.tokens, mode))
+    out: dict[str, list] = {}
+    while engine.has_work():
+        for e in engine.step():
+            if isinstance(e, m.TextDelta):
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+    wall = time.perf_counter() - t0
+    runs = [out[k] for k in sorted(out)]
+    return sum(len(r) for r in runs) / wall, runs
+
+
+def _configs(ks: tuple, concurrency: int) -> list[tuple[str, str, Optional[int], bool]]:
+    rows = [("baseline", "baseline", None, True)] + [(f"k={k}", "joint", k, True) for k in ks]
+    rows.append(("adaptive", "joint", None, True))
+    if concurrency > 1:
+        rows.append(("adaptive, one-after-another", "joint", None, False))
+    return rows
+
+
+def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int) -> dict:
+    from worker.text import render_prompt
+
+    configs = _configs(ks, concurrency)
+    base_engine = _engine(sc, None, True, {})
+    _, base_runs = _run(base_engine, sc, "baseline", concurrency)  # the greedy continuations
+    references = {tuple(render_prompt(sc.target.tokenizer, _chat(PROMPTS[i], sc.tokens, "baseline"))): base_runs[i]
+                  for i in range(concurrency)}
+    engines = {name: _engine(sc, budget, batch, references) for name, mode, budget, batch in configs}
+    for (name, mode, _, _) in configs:  # warm-up: shapes compile, the cost model starts learning
+        _run(engines[name], sc, mode, concurrency)
+    tps: dict[str, list] = {name: [] for name, *_ in configs}
+    exact = {name: 0 for name, *_ in configs}
+    for rep in range(repeats):
+        order = configs if rep % 2 == 0 else configs[::-1]
+        for name, mode, _, _ in order:
+            progress(f"  {sc.name} ×{concurrency} {name} (repeat {rep + 1}/{repeats})")
+            t, runs = _run(engines[name], sc, mode, concurrency)
+            tps[name].append(t)
+            exact[name] += sum(r != b for r, b in zip(runs, base_runs))
+    return {name: {"tokens_per_s": median(v), "mismatching_requests": exact[name],
+                   "acceptance": _acceptance(engines[name])} for name, v in tps.items()}
+
+
+def _acceptance(engine) -> Optional[float]:
+    j = engine.totals.joint
+    return j.accepted / j.drafted if j.drafted else None
+
+
+def _build(args) -> list[Scenario]:
+    from worker.loader import load_model
+    from worker.spec.state import install_recording
+    from worker.tiny_models import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="verity-bench-sched-"))
+    scenarios = []
+    if not args.skip_tiny:
+        t = build_tiny_model(tmp / "hybrid", "qwen3_5", seed=0)
+        d = build_tiny_model(tmp / "hybrid-draft", "qwen3_5", seed=1, perturb_from=t, noise=0.3)
+        target, draft = load_model(str(t)), load_model(str(d))
+        for lm in (target, draft):
+            install_recording(lm.model)
+        scenarios.append(Scenario("tiny hybrid (perturbed draft)", target, draft, args.tiny_tokens))
+    if not args.skip_embedded:
+        target = load_model("embedded")
+        dd = build_tiny_model(tmp / "embedded-draft", "llama", seed=3, vocab=len(target.tokenizer), hidden=256, layers=2)
+        draft = load_model(str(dd))
+        n = args.tokens
+        for a in args.alphas:
+            scenarios.append(Scenario(f"embedded, α={a}", target, draft, n, (lambda p, a=a: a)))
+        sched = lambda p: SCHEDULE[min(2, 3 * p // max(n, 1))]  # noqa: E731
+        scenarios.append(Scenario("embedded, α 0.9→0.2→0.9", target, draft, n, sched))
+    return scenarios
+
+
+def run_sched(args: argparse.Namespace) -> int:
+    reexec_with_blas()
+    defaults = QUICK if args.quick else dict(tokens=64, tiny_tokens=64, repeats=3)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    ks = tuple(args.ks or KS)
+    args.alphas = tuple(args.alphas or ALPHAS)
+    rows, figures, ratios = [], {"rows": []}, []
+    for sc in _build(args):
+        for c in args.concurrency or (1, 4):
+            progress(f"{sc.name}, {c} concurrent")
+            res = _scenario_rows(sc, ks, c, args.repeats)
+            base = res["baseline"]["tokens_per_s"]
+            best_k = max((n for n in res if n.startswith("k=")), key=lambda n: res[n]["tokens_per_s"])
+            best = res[best_k]["tokens_per_s"]
+            ad = res["adaptive"]["tokens_per_s"]
+            row = {"scenario": sc.name, "concurrency": c, "baseline": base, "best_fixed": best_k,
+                   "best_fixed_tps": best, "adaptive": ad, "adaptive_vs_best_fixed": ad / best,
+                   "adaptive_vs_baseline": ad / base, "configs": res}
+            if c > 1:
+                row["unbatched"] = res["adaptive, one-after-another"]["tokens_per_s"]
+                row["batched_vs_unbatched"] = ad / row["unbatched"]
+            ratios.append(ad / base)
+            figures["rows"].append(row)
+            rows.append((sc.name, str(c), f"{base:.1f}", f"{best:.1f} ({best_k})", f"{ad:.1f}",
+                         f"{ad / best:.2f}", f"{ad / base:.2f}",
+                         f"{row['batched_vs_unbatched']:.2f}" if c > 1 else "–",
+                         str(sum(v["mismatching_requests"] for v in res.values()))))
+    figures["ratio"] = min(ratios) if ratios else 0.0
+    met = all(r["adaptive_vs_best_fixed"] >= GOAL_VS_FIXED and r["adaptive_vs_baseline"] >= GOAL_VS_BASELINE
+              for r in figures["rows"])
+    figures["goals_met"] = met
+    footer = (f"goals: adaptive ≥ {GOAL_VS_FIXED} × best fixed k and ≥ {GOAL_VS_BASELINE} × baseline in every row: "
+              f"{'met' if met else 'missed'}; headline ratio (smallest adaptive ÷ baseline) {figures['ratio']:.3f}")
+    print_report("verity bench sched (tokens/s, medians)", rows,
+                 ("scenario", "conc.", "baseline", "best fixed", "adaptive", "ad./best", "ad./base",
+                  "batched/seq.", "mismatches"), figures, args.json, footer)
+    return 0
+
+
+def add_command(benches) -> None:
+    p = benches.add_parser("sched", help="adaptive draft budget vs plain decoding and fixed k")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per request on the embedded model (default 64)")
+    p.add_argument("--tiny-tokens", type=int, default=None, help="tokens per request on the tiny model (default 64)")
+    p.add_argument("--repeats", type=int, default=None, help="alternated repeats (default 3)")
+    p.add_argument("--ks", type=int, nargs="*", default=None, help=f"fixed budgets to try (default {KS})")
+    p.add_argument("--alphas", type=float, nargs="*", default=None, help=f"controlled acceptance (default {ALPHAS})")
+    p.add_argument("--concurrency", type=int, nargs="*", default=None, help="concurrent requests (default 1 4)")
+    p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--skip-embedded", action="store_true")
+    p.add_argument("--quick", action="store_true", help="small settings (for tests)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_sched)
