@@ -1,0 +1,124 @@
+"""`verity monitor` against a real stack: its figures follow the requests, and it rides through a
+restart of the whole stack (gateway down, then a new one on the same port)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cli.client import complete
+from cli.monitor import Monitor, render
+from cli.stack_process import StackProcess
+from stack import wait_until
+from worker.tiny_models import build_tiny_model
+
+FRAME = "verity monitor  "  # every frame starts with this title
+
+
+class MonitorProcess:
+    """`verity monitor` with its stdout piped: it prints one frame per interval."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "monitor", "--url", url, "--interval", "0.2",
+                                      "--width", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.frames: list[str] = []
+        self._current: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(FRAME) and self._current:
+                self.frames.append("".join(self._current))
+                self._current = []
+            self._current.append(line)
+
+    def last(self) -> str:
+        return self.frames[-1] if self.frames else ""
+
+    def figure(self, pattern: str) -> tuple[str, ...] | None:
+        match = re.search(pattern, self.last())
+        return match.groups() if match else None
+
+    def shows(self, pattern: str) -> bool:
+        return self.figure(pattern) is not None
+
+    def wait_for(self, pattern: str, what: str, timeout: float = 60) -> tuple[str, ...]:
+        def seen() -> bool:
+            assert self.proc.poll() is None, "the monitor exited:\n" + self.last()
+            return self.shows(pattern)
+        try:
+            wait_until(seen, timeout, what)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; last frame:\n{self.last()}") from None
+        return self.figure(pattern)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1, perturb_from=tiny_llama, noise=0.3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stack(tiny_llama, draft, port: int) -> StackProcess:
+    return StackProcess(str(tiny_llama), port=port, extra_args=("--draft", str(draft), "--draft-budget", "3"),
+                        start_timeout_s=120).start()
+
+
+def ask(url: str, mode: str) -> dict:
+    return complete(url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0,
+                          "ignore_eos": True, "mode": mode})
+
+
+def test_monitor_follows_the_stack_through_a_restart(tiny_llama, draft):
+    port = free_port()
+    stack = start_stack(tiny_llama, draft, port)
+    mon = MonitorProcess(stack.url)
+    try:
+        mon.wait_for(r"connected: gateway pid \d+", "the monitor to connect")
+        assert mon.figure(r"finished\s+(\d+)") == ("0",) and mon.shows(r"acceptance\s+0/0 = –")
+        assert mon.shows(r"cache\s+–\s+off") and mon.shows(r"bytes\s+off")
+        answers = [ask(stack.url, "joint"), ask(stack.url, "joint"), ask(stack.url, "baseline")]
+        mon.wait_for(r"finished\s+3\b", "three finished requests")
+        accepted = sum(a["metrics"]["accepted"] for a in answers)
+        drafted = sum(a["metrics"]["drafted"] for a in answers)
+        assert mon.wait_for(r"acceptance\s+(\d+)/(\d+) = \d+%", "the worker's joint totals") == (str(accepted), str(drafted))
+        assert mon.figure(r"prompt · generated tokens\s+\d+ · (\d+)") == ("36",)
+        assert mon.shows(r"worker\s+\d+\s+ready")
+
+        old_pid = stack.proc.pid
+        assert stack.stop() == 0
+        mon.wait_for(r"DISCONNECTED for \d+s", "the monitor to notice the stack is gone")
+        stack = start_stack(tiny_llama, draft, port)
+        mon.wait_for(r"reconnected: the stack restarted", "the monitor to reconnect")
+        mon.wait_for(r"worker\s+\d+\s+ready", "the new worker")
+        assert mon.figure(r"finished\s+(\d+)") == ("0",) and stack.proc.pid != old_pid
+        ask(stack.url, "joint")
+        mon.wait_for(r"finished\s+1\b", "the new stack's first request")
+        assert mon.proc.poll() is None
+    finally:
+        stack.stop()
+        mon.proc.send_signal(signal.SIGINT)
+        code = mon.proc.wait(10)
+    assert code == 0
+
+
+def test_render_without_a_stack():
+    mon = Monitor("http://127.0.0.1:9")
+    mon.update(None, "unreachable (connection refused)")
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(render(mon))
+    text = console.export_text()
+    assert "DISCONNECTED" in text and "disconnected: unreachable (connection refused)" in text
