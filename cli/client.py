@@ -118,7 +118,8 @@ def format_metrics(mx: dict, finish_reason: Optional[str] = None) -> str:
         parts.append(f"{mx['reused_tokens']} reused")
     parts += [f"ttft {mx.get('ttft_s', 0.0) * 1000:.0f} ms", f"{mx.get('decode_tps', 0.0):.1f} tok/s"]
     if mx.get("drafted"):
-        parts.append(f"accepted {mx.get('accepted', 0)}/{mx['drafted']} over {mx.get('cycles', 0)} cycles, "
+        parts.append(f"accepted {mx.get('accepted', 0)}/{mx['drafted']} ({mx.get('accepted', 0) / mx['drafted']:.0%}), "
+                     f"budget {mx.get('budget_mean', 0.0):.2f}/cycle over {mx.get('cycles', 0)} cycles, "
                      f"{mx.get('rollbacks', 0)} rollbacks")
     if finish_reason:
         parts.append(f"finish {finish_reason}")

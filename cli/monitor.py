@@ -179,7 +179,8 @@ def _figures(s: dict) -> Table:
                                           f"{_ratio(ws.get('recovery_s_total', 0.0) * 1000, rollbacks, '{:.2f} ms')}"),
     ])
     cb = ws.get("cache_bytes")
-    cache = _kv("cache", [("bytes", OFF if cb is None else _bytes(cb)),
+    budget = ws.get("cache_budget_bytes")
+    cache = _kv("cache", [("bytes", OFF if cb is None else _bytes(cb) + (f" of {_bytes(budget)}" if budget else "")),
                           ("hit rate", OFF if cb is None else _ratio(ws.get("cache_hits", 0), ws.get("cache_lookups", 0))),
                           ("reused prompt tokens", str(tot["cached_tokens"]))])
     grid = Table.grid(padding=(0, 4))

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -158,3 +160,14 @@ def test_bad_config_is_refused_by_name(tmp_path, text, message):
     r = subprocess.run([LAUNCH_STACK, "--config", str(f)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
     assert message in r.stderr and str(f) in r.stderr, r.stderr
+
+
+def test_verity_chat_switches_to_joint_and_shows_its_figures(stack):
+    script = "hello\n/mode joint\nand again\n/quit\n"
+    r = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--url", stack.url, "--max-tokens", "12",
+                        "--temperature", "0", "--ignore-eos"], input=script, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "VERITY_API_KEY": KEY})
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "tok/s" in line]
+    assert len(lines) == 2 and lines[0].startswith("baseline") and "accepted" not in lines[0], r.stderr
+    assert re.search(r"^joint \(.+\) · .* accepted \d+/\d+ \(\d+%\), budget 3\.00/cycle over \d+ cycles", lines[1]), lines[1]
