@@ -27,6 +27,7 @@ class Drafter:
         self.consumed: list[int] = []  # tokens the draft cache holds
         self._steps: list[tuple[int, st.Checkpoint]] = []
         self._base: Optional[tuple[int, st.Checkpoint]] = None
+        self._agreed = 0  # consumed[:_agreed] is known to be a prefix of the target's tokens
 
     def prefill(self, tokens: list[int]) -> None:
         for i in range(0, len(tokens), self.prefill_step):
@@ -69,7 +70,8 @@ class Drafter:
 
     def recover(self, target_consumed: list[int]) -> None:
         """Keeps the longest prefix of what the draft consumed that the target consumed too."""
-        keep = _common_prefix(self.consumed, target_consumed)
+        keep = _common_prefix(self.consumed, target_consumed, self._agreed)
+        self._agreed = keep
         if keep == len(self.consumed):
             return
         if self.recovery == "fast":
@@ -84,9 +86,10 @@ class Drafter:
         self.consumed = self.consumed[:keep]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, known to be at least `start`."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(min(start, n), n):
         if a[i] != b[i]:
             return i
     return n
