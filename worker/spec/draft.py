@@ -82,7 +82,7 @@ class Drafter:
             st.restore(self.cache, ck)
             if keep > base:
                 self.model(mx.array(target_consumed[base:keep])[None], cache=self.cache)
-        mx.eval(st.cache_arrays(self.cache))
+        st.eval_state(self.cache)
         self.consumed = self.consumed[:keep]
 
 
