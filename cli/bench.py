@@ -198,3 +198,4 @@ def add_commands(sub) -> None:
     o.set_defaults(run=run_overhead)
     __import__("cli.bench_spec").bench_spec.add_command(benches)  # verity bench spec (cli/bench_spec.py)
     __import__("cli.bench_sched").bench_sched.add_command(benches)  # verity bench sched (cli/bench_sched.py)
+    __import__("cli.bench_gpu").bench_gpu.add_command(benches)  # verity bench gpu (cli/bench_gpu.py)

@@ -1,0 +1,124 @@
+"""`verity bench gpu`: decoding speed at real model sizes (Qwen3.5-9B target, 0.8B draft shapes,
+random weights) wherever MLX has a GPU; `--small` runs the same code on tiny shapes anywhere.
+
+Measured in one run: the device's copy bandwidth; plain decoding against the roofline (weight
+bytes read per token ÷ that bandwidth); the target's forward cost for 1, 2, 4, 8, 16 tokens (a
+verify of k drafts is a forward of k + 1); the draft's one-token step; joint decoding with the
+controlled-acceptance draft at several α under both recovery paths, for fixed k and adaptive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cli.bench import print_report, progress
+
+ALPHAS = (0.6, 0.8, 0.95)
+KS = (1, 2, 4, 8)
+FORWARD_TOKENS = (1, 2, 4, 8, 16)
+GOALS = dict(roofline=0.40, joint_vs_plain=1.5, adaptive_vs_best=0.95, adaptive_vs_plain=0.97)
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    from worker import gpu_bench as gb
+    from worker.scheduler import Scheduler
+
+    dtype = gb.DTYPES[args.dtype]
+    tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
+    if args.small:
+        tcfg.update(gb.SMALL)
+        dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
+    progress(f"device {gb.device()}; building target and draft ({args.dtype}, bits={args.bits})")
+    target = gb.build(tcfg, dtype, 0, args.bits)
+    draft = gb.build(dcfg, dtype, 1, args.bits)
+    fig: dict = {"device": gb.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small,
+                 "target_params": gb.n_params(target), "draft_params": gb.n_params(draft)}
+    fig["copy_bandwidth_GBps"] = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30) / 1e9
+    prompt = list(range(1, args.prompt_tokens + 1))
+    gb.plain_decode(target, prompt, 8)  # warm-up
+    plain = sorted(gb.plain_decode(target, prompt, args.tokens)[0] for _ in range(args.repeats))[args.repeats // 2]
+    _, reference = gb.plain_decode(target, prompt, args.tokens)
+    bpt = gb.bytes_per_token(target, tcfg)
+    roof = fig["copy_bandwidth_GBps"] * 1e9 / bpt
+    fig.update(plain_tps=plain, bytes_per_token=bpt, roofline_tps=roof, plain_vs_roofline=plain / roof)
+    progress(f"plain {plain:.1f} tok/s, roofline {roof:.1f} tok/s")
+    fig["target_forward_ms"] = {n: 1e3 * gb.forward_cost(target, n, reps=args.repeats * 3) for n in FORWARD_TOKENS}
+    fig["target_forward_recorded_ms"] = {n: 1e3 * gb.forward_cost(target, n, reps=args.repeats * 3, record=True)
+                                         for n in FORWARD_TOKENS[1:]}
+    fig["draft_step_ms"] = 1e3 * gb.forward_cost(draft, 1, reps=args.repeats * 3)
+    vocab = tcfg["vocab_size"]
+    rows, fig["joint"] = [], []
+    for alpha in args.alphas:
+        for recovery in ("fast", "replay"):
+            res = {}
+            for k in list(args.ks) + [None]:
+                name = "adaptive" if k is None else f"k={k}"
+                sched = Scheduler(fixed=k)  # one per configuration, learning across its runs as a server's would
+                gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens, recovery, k, vocab, sched)
+                runs = [gb.joint_decode(target, draft, prompt, reference, lambda p, a=alpha: a, args.tokens,
+                                        recovery, k, vocab, sched) for _ in range(args.repeats)]
+                r = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+                res[name] = r
+                cycle = r.draft_s + r.verify_s + r.recovery_s
+                fig["joint"].append({"alpha": alpha, "recovery": recovery, "config": name, "tps": r.tokens_per_s,
+                                     "vs_plain": r.tokens_per_s / plain, "acceptance": r.acceptance,
+                                     "budget_mean": r.budget_mean, "draft_share": r.draft_s / cycle,
+                                     "verify_share": r.verify_s / cycle, "recovery_share": r.recovery_s / cycle})
+                rows.append((f"α={alpha}", recovery, name, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s / plain:.2f}",
+                             f"{r.acceptance:.2f}", f"{r.budget_mean:.1f}", f"{r.draft_s / cycle:.0%}",
+                             f"{r.verify_s / cycle:.0%}", f"{r.recovery_s / cycle:.1%}"))
+                progress(f"  α={alpha} {recovery} {name}: {r.tokens_per_s:.1f} tok/s")
+    _goals(fig, plain)
+    footer = "\n".join([
+        f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; target {fig['target_params'] / 1e9:.2f} B, "
+        f"draft {fig['draft_params'] / 1e9:.2f} B params ({args.dtype}{', ' + str(args.bits) + '-bit' if args.bits else ''})",
+        f"plain decoding {plain:.1f} tok/s = {fig['plain_vs_roofline']:.0%} of the roofline {roof:.1f} tok/s "
+        f"({bpt / 1e9:.1f} GB a token)",
+        "target forward ms by tokens: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
+        + f"; draft step {fig['draft_step_ms']:.1f} ms",
+        f"goals: plain ≥ {GOALS['roofline']:.0%} of roofline: {fig['goals']['roofline']}; joint at α=0.8 (fast, best k) "
+        f"≥ {GOALS['joint_vs_plain']}× plain: {fig['goals']['joint_vs_plain']}; adaptive within 5% of best k and "
+        f"≥ 0.97× plain at every α: {fig['goals']['adaptive']}; headline ratio {fig['ratio']:.2f}",
+    ])
+    print_report("verity bench gpu", rows, ("α", "recovery", "budget", "tok/s", "×plain", "accept", "k mean",
+                                            "draft", "verify", "recovery"), fig, args.json, footer)
+    return 0
+
+
+def _goals(fig: dict, plain: float) -> None:
+    joint = fig["joint"]
+    fast = [j for j in joint if j["recovery"] == "fast"]
+    at08 = [j for j in fast if j["alpha"] == 0.8 and j["config"] != "adaptive"] or [j for j in fast if j["config"] != "adaptive"]
+    best08 = max(at08, key=lambda j: j["tps"])
+    fig["ratio"] = best08["tps"] / plain
+    adaptive_ok = True
+    for alpha in {j["alpha"] for j in fast}:
+        rows = [j for j in fast if j["alpha"] == alpha]
+        best = max(j["tps"] for j in rows if j["config"] != "adaptive")
+        ad = next(j["tps"] for j in rows if j["config"] == "adaptive")
+        adaptive_ok &= ad >= GOALS["adaptive_vs_best"] * best and ad >= GOALS["adaptive_vs_plain"] * plain
+    fig["goals"] = {"roofline": "met" if fig["plain_vs_roofline"] >= GOALS["roofline"] else "missed",
+                    "joint_vs_plain": "met" if fig["ratio"] >= GOALS["joint_vs_plain"] else "missed",
+                    "adaptive": "met" if adaptive_ok else "missed"}
+
+
+def add_command(benches) -> None:
+    p = benches.add_parser("gpu", help="speed at Qwen3.5-9B/0.8B sizes where MLX has a GPU")
+    p.add_argument("--small", action="store_true", help="tiny shapes (a check on any device)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--bits", type=int, default=None, help="quantize weights (e.g. 4)")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--alphas", type=float, nargs="*", default=ALPHAS)
+    p.add_argument("--ks", type=int, nargs="*", default=KS)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_gpu)
+
+
+if __name__ == "__main__":
+    from cli.main import main
+
+    sys.exit(main(["bench", "gpu", *sys.argv[1:]]))

@@ -1,0 +1,165 @@
+"""Speed at real model sizes: Qwen3.5-9B- and 0.8B-shaped models with random weights.
+
+Speed depends on shapes, not on weight values, so the models are built from their
+configurations (bf16 by default). Runs wherever MLX has a GPU; `small=True` shrinks every shape
+for a check on the CPU. Everything is timed after a warm-up of the same shape (the first
+forward of a new shape compiles kernels on CUDA).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models import qwen3_5
+
+from worker.scheduler import Scheduler
+from worker.spec import state as st
+from worker.spec.draft import ControlledDrafter
+from worker.spec.joint import JointDecoder
+from worker.spec.sampling import SamplingParams
+
+_COMMON = dict(model_type="qwen3_5_text", linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+               vocab_size=248320, max_position_embeddings=32768,
+               rope_parameters={"type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25})
+TARGET_9B = dict(_COMMON, hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                 linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False)
+DRAFT_08B = dict(_COMMON, hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True)
+SMALL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+             linear_value_head_dim=32, vocab_size=4096)
+
+
+DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
+
+
+def device() -> str:
+    d = mx.default_device()
+    return f"{d} ({'CUDA' if mx.cuda.is_available() else 'Metal' if mx.metal.is_available() else 'CPU'})" if d == mx.gpu else str(d)
+
+
+def build(config: dict, dtype=mx.bfloat16, seed: int = 0, bits: Optional[int] = None):
+    """A random-weight Qwen3.5 model of the configuration's shape, evaluated on the device."""
+    import mlx.nn as nn
+
+    mx.random.seed(seed)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": config}))
+    model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+    mx.eval(model.parameters())
+    st.install_recording(model)
+    return model
+
+
+def n_params(model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def bytes_per_token(model, config: dict) -> int:
+    """Weight bytes one decode step reads: everything but the embedding table (one row of it is
+    read), unless the table is also the output head."""
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if not config.get("tie_word_embeddings"):
+        total -= sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens" in k)
+    return total
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device copy bandwidth, bytes read plus bytes written per second."""
+    x = mx.random.normal((n_bytes // 2,)).astype(mx.bfloat16)
+    mx.eval(x)
+    t = median_time(lambda: x * 1.0001, reps)
+    return 2 * x.nbytes / t
+
+
+def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, record: bool = False) -> float:
+    """Seconds for one forward of n_tokens after `context` tokens (a verify of n_tokens - 1 drafts)."""
+    cache = st.make_cache(model)
+    mx.eval(model(mx.array([list(range(1, context + 1))]), cache=cache))
+    x = mx.array([[7] * n_tokens])
+
+    def step():
+        st.set_record(cache, record)
+        out = model(x, cache=cache)
+        for c in cache:
+            if isinstance(c, st.RecordingArraysCache):
+                c.clear_record()
+        return out
+
+    def trimmed():
+        out = step()
+        mx.eval(out)
+        for c in cache:  # back to `context` tokens: KV by offset, recurrent state left as is
+            if not isinstance(c, st.RecordingArraysCache):
+                c.trim(n_tokens)
+        return out
+
+    return median_time(trimmed, reps)
+
+
+def plain_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """mlx-lm's generate_step, greedy: (decode tokens/s after the first token, the tokens)."""
+    out, t_first = [], 0.0
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        out.append(tok)
+        if len(out) == 1:
+            t_first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - t_first), out
+
+
+@dataclass
+class JointRun:
+    tokens_per_s: float
+    acceptance: float
+    budget_mean: float
+    draft_s: float
+    verify_s: float
+    recovery_s: float
+    tokens: list = field(default_factory=list)
+
+
+def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: Callable[[int], float],
+                 n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None) -> JointRun:
+    """Greedy joint decoding with the controlled-acceptance draft; k=None: the adaptive scheduler."""
+    drafter = ControlledDrafter(draft, reference, alpha, vocab, recovery=recovery)
+    jd = JointDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
+    out = [jd.start()]
+    mx.synchronize()
+    sched = scheduler or Scheduler(fixed=k)
+    t0 = time.perf_counter()
+    while len(out) < n:
+        budget = sched.plan(["r"], 1)[0]
+        t = time.perf_counter()
+        emitted = jd.cycle(budget)
+        keep = min(len(emitted), n - len(out))
+        jd.commit(keep)
+        sched.observe_cycle("r", *jd.last_cycle)
+        sched.observe_round(time.perf_counter() - t, complete=True)
+        out += emitted[:keep]
+    wall = time.perf_counter() - t0
+    s = jd.stats
+    sched.forget("r")
+    return JointRun((len(out) - 1) / wall, s.accepted / s.drafted if s.drafted else 0.0,
+                    s.drafted / s.cycles if s.cycles else 0.0, s.draft_s, s.verify_s, s.recovery_s, out)
