@@ -81,23 +81,10 @@ def decode_tps(n_tokens: int, t_first: float, t_last: float) -> float:
 
 
 def _inprocess_runner(lm, prompt_ids: list[int]) -> Callable[[int], dict]:
-    import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import greedy_sampler
-
-    tok = lm.tokenizer
+    from worker.inprocess import stream_greedy
 
     def run(n: int) -> dict:
-        saved = tok.eos_token_ids
-        tok.eos_token_ids = set()  # like ignore_eos: exactly n tokens
-        try:
-            times, ids = [], []
-            t0 = time.perf_counter()
-            for resp in stream_generate(lm.model, tok, mx.array(prompt_ids), max_tokens=n, sampler=greedy_sampler):
-                times.append(time.perf_counter())
-                ids.append(resp.token)
-        finally:
-            tok.eos_token_ids = saved
+        ids, times, t0 = stream_greedy(lm, prompt_ids, n)
         return {"tokens": len(ids), "ttft_s": times[0] - t0, "tps": decode_tps(len(ids), times[0], times[-1]),
                 "ids": ids}
 
