@@ -557,7 +557,9 @@ def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[d
                          _fmt(f.get("verify_share"), ".0%"), rec, exact))
         # the two baselines must agree with each other (both are checked against the reference)
         k0 = next(f for f in all_figs if f["group"] == g.name and f["method"] == "verity k=0")
-        notes.append(f"{g.name}: baseline = mlx-lm generate_step ({base_tps:.1f} tok/s); verity k=0 "
+        spread = [x.tps for x in base.runs]
+        notes.append(f"{g.name}: baseline = mlx-lm generate_step ({base_tps:.1f} tok/s; its rounds "
+                     f"{min(spread):.1f}–{max(spread):.1f}: the noise of whole runs here); verity k=0 "
                      f"{k0['tps']:.1f} tok/s, {'same' if k0['mismatches'] == 0 else 'DIFFERENT'} output")
 
     # goal 1: fast-path recovery share
