@@ -36,6 +36,11 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def _value(key: str, action: argparse.Action, value: Any) -> Any:
     """The value checked against the flag's type and choices; ValueError names what is wrong."""
     want = action.type
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list of strings (or one)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"`{key}` must be a string or a list of strings, not {type(value).__name__} {value!r}")
+        return items
     if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
         ok, kind = isinstance(value, bool), "true or false"
     elif want is int:

@@ -21,6 +21,7 @@ import zmq
 
 from cli.blas import blas_env
 from cli.config import ArgumentParser, parse_with_config
+from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
 
 log = logging.getLogger("verity.launch")
@@ -64,6 +65,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--keepalive-s", type=float, default=5.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request not ended this long after admission is cancelled and answered with 504 (0: no limit)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a name the Host header may carry besides 127.0.0.1, localhost, [::1] and --host (repeatable)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page origin (scheme://host:port) allowed to call the API from a browser (repeatable; '*': any)")
+    p.add_argument("--log-prompts", action="store_true", help="write prompt text to the log (off: only ids and counts)")
     p.add_argument("--max-restarts", type=int, default=5, help=f"worker deaths within {RESTART_WINDOW_S:.0f}s before giving up")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
     return parse_with_config(p, argv)
@@ -100,7 +108,11 @@ class Supervisor:
                                     "--port", str(a.port), "--max-active", str(a.max_active),
                                     "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),
                                     "--max-body-bytes", str(a.max_body_bytes), "--keepalive-s", str(a.keepalive_s),
-                                    "--drain-timeout-s", str(a.drain_timeout_s)], gw_env)
+                                    "--drain-timeout-s", str(a.drain_timeout_s),
+                                    "--request-timeout-s", str(a.request_timeout_s),
+                                    *[f"--allow-host={h}" for h in a.allow_host],
+                                    *[f"--allow-origin={o}" for o in a.allow_origin],
+                                    *(["--log-prompts"] if a.log_prompts else [])], gw_env)
         return [worker, gateway]
 
     def spawn(self, c: Child) -> None:
@@ -214,7 +226,12 @@ def _banner(url: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch-stack %(levelname)s %(message)s")
+    os.umask(0o077)  # sockets, spilled snapshots and logs of the stack: readable by this user only
+    warning = exposure_warning(args.host, args.api_key or os.environ.get("VERITY_API_KEY"))
+    if warning:
+        log.warning("%s", warning)
     sup = Supervisor(args)
+    log.info("runtime directory %s (mode 0700)", sup.runtime_dir)
 
     def on_signal(signum, _frame):
         log.info("received %s: stopping", signal.Signals(signum).name)

@@ -11,10 +11,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
 from aiohttp import web
 
+from gateway.guard import Guard, Refused, cors_headers
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
+from gateway.openapi import describe
 from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens
@@ -22,6 +25,9 @@ from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens
 log = logging.getLogger("verity.gateway")
 FIRST_EVENT_TIMEOUT_S = 2.0  # wait this long for the worker's verdict before streaming headers
 RETRY_AFTER_S = 1
+WRITE_GRACE_S = 1.0  # after the time limit, how long the error event may take to reach the client
+STALLED_WRITE_BYTES = 1 << 16  # unsent bytes queued past this (asyncio's pause mark): the client reads nothing
+CORS_ORIGIN = "verity.cors_origin"
 
 
 @dataclass
@@ -36,6 +42,10 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     keepalive_s: float = 5.0
     drain_timeout_s: float = 30.0
+    request_timeout_s: Optional[float] = 600.0  # admission to the last byte; None or 0: no limit
+    allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the loopback ones
+    allow_origins: tuple[str, ...] = ()  # browser origins other than the server's own ("*": any)
+    log_prompts: bool = False  # prompt text goes to the log only when asked for
 
 
 class Gateway:
@@ -44,6 +54,18 @@ class Gateway:
         self.link = WorkerLink(config.runtime_dir, config.max_active, config.queue_size)
         self.draining = False
         self.started_at = time.time()
+        self.guard = Guard(config.host, config.port, config.allow_hosts, config.allow_origins)
+        self.link.on_end.append(_log_end)
+
+
+def _log_end(t: Tracked, event) -> None:
+    """One line per admitted request's end, with its id (the worker's lines carry the same id)."""
+    took = time.monotonic() - t.admitted_at
+    if isinstance(event, m.Finished):
+        log.info("[%s] finished: %s, %d tokens, %.2fs", t.id, event.finish_reason,
+                 event.metrics.completion_tokens, took)
+    else:
+        log.info("[%s] ended with an error: %s, %.2fs", t.id, getattr(event, "code", "?"), took)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -54,13 +76,38 @@ def json_error(status: int, message: str, code: str, param: Optional[str] = None
 
 
 @web.middleware
+async def host_and_origin(request: web.Request, handler):
+    """DNS-rebinding and cross-site protection (gateway/guard.py), before anything else."""
+    gw = request.app[GATEWAY]
+    host, origin = request.headers.get("Host"), request.headers.get("Origin")
+    try:
+        gw.guard.check_host(host)
+        cross = gw.guard.check_origin(origin, host)
+    except Refused as e:
+        log.warning("refused %s %s: %s", request.method, request.path, e.code)
+        return json_error(403, e.message, e.code)
+    if cross:
+        request[CORS_ORIGIN] = origin
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+    return await handler(request)
+
+
+async def _cors_on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    origin = request.get(CORS_ORIGIN)
+    if origin and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers.update(cors_headers(origin, preflight=False))
+
+
+@web.middleware
 async def errors_and_auth(request: web.Request, handler):
     gw = request.app[GATEWAY]
     key = gw.config.api_key
     if key and request.path.startswith("/v1/"):
         given = request.headers.get("Authorization", "")
-        token = given[7:] if given.startswith("Bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        token = given[7:] if given[:7].lower() == "bearer " else ""  # the scheme is case-insensitive
+        # header bytes that are not UTF-8 arrive surrogate-escaped: compare the bytes as sent
+        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
             msg = "missing API key" if not given else "invalid API key"
             return json_error(401, f"{msg}: send `Authorization: Bearer <key>`", "invalid_api_key")
     try:
@@ -70,7 +117,8 @@ async def errors_and_auth(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return json_error(e.status, e.reason, e.reason.lower().replace(" ", "_"))
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 must name the methods
+        return json_error(e.status, e.reason, e.reason.lower().replace(" ", "_"), headers=allow)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -96,18 +144,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return json_error(429, "too many requests are running or waiting; retry later", "queue_full",
                           headers={"Retry-After": str(RETRY_AFTER_S)})
     log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
+    if gw.config.log_prompts:  # asked for with --log-prompts; JSON keeps it on one line
+        log.info("[%s] prompt: %s", rid, msgspec.json.encode(req.messages if chat else req.prompt).decode())
     shaper = Shaper(rid, served, chat)
+    limit = gw.config.request_timeout_s or None
+    deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:
-        first = await _first_event(t)
-        if isinstance(first, m.Error):
-            return json_error(first.status, first.message, first.code, first.param)
-        if req.stream:
-            return await _stream(request, gw, t, shaper, first)
-        return await _whole(t, shaper, first)
+        try:
+            async with asyncio.timeout_at(deadline):
+                first = await _first_event(t)
+                if isinstance(first, m.Error):
+                    return json_error(first.status, first.message, first.code, first.param)
+                if not req.stream:
+                    return await _whole(t, shaper, first)
+        except TimeoutError:
+            _time_limit_reached(gw, t)
+            return json_error(504, _time_limit_message(limit), "request_timeout")
+        return await _stream(request, gw, t, shaper, first, deadline)
     except (asyncio.CancelledError, ConnectionResetError):
         log.info("[%s] client went away: cancelling", rid)
         gw.link.cancel(rid)
         raise
+
+
+def _time_limit_message(limit: float) -> str:
+    return f"the request did not end within this server's time limit of {limit:g} s (--request-timeout-s)"
+
+
+def _time_limit_reached(gw: Gateway, t: Tracked) -> None:
+    log.warning("[%s] reached the time limit of %gs: cancelling", t.id, gw.config.request_timeout_s)
+    gw.link.cancel(t.id, reason=_time_limit_message(gw.config.request_timeout_s))
 
 
 async def _first_event(t: Tracked):
@@ -130,34 +196,63 @@ async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
         ev = await t.events.get()
 
 
-async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper, first) -> web.StreamResponse:
+async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper, first,
+                  deadline: Optional[float]) -> web.StreamResponse:
+    """The SSE stream. At the time limit (also while a client that stops reading blocks a write)
+    the request is cancelled and the stream ends with an error event and [DONE]; when even that
+    cannot be written within WRITE_GRACE_S, the connection is dropped. No write waits unbounded."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-Id": t.id})
     await resp.prepare(request)
     include_usage = bool(t.submit.request.stream_options and t.submit.request.stream_options.include_usage)
-    if shaper.chat:
-        await _sse(resp, shaper.chunk(role=True, text=""))
-    ev = first
-    while True:
-        if ev is None:
-            try:
-                ev = await asyncio.wait_for(t.events.get(), gw.config.keepalive_s)
-            except asyncio.TimeoutError:
-                await resp.write(b": keep-alive\n\n")
-                continue
-        if isinstance(ev, m.TextDelta) and ev.text:
-            await _sse(resp, shaper.chunk(text=ev.text))
-        elif isinstance(ev, m.Finished):
-            await _sse(resp, shaper.chunk(finished=ev))
-            if include_usage:
-                await _sse(resp, shaper.usage_chunk(ev))
-            break
-        elif isinstance(ev, m.Error):
-            await _sse(resp, error_body(ev.status, ev.message, ev.code, ev.param))
-            break
-        ev = None
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    ended = False  # the request's last event was taken (nothing left to cancel)
+    try:
+        async with asyncio.timeout_at(deadline):
+            if shaper.chat:
+                await _sse(resp, shaper.chunk(role=True, text=""))
+            ev = first
+            while True:
+                if ev is None:
+                    try:
+                        ev = await asyncio.wait_for(t.events.get(), gw.config.keepalive_s)
+                    except asyncio.TimeoutError:
+                        await resp.write(b": keep-alive\n\n")
+                        continue
+                if isinstance(ev, m.TextDelta) and ev.text:
+                    await _sse(resp, shaper.chunk(text=ev.text))
+                elif isinstance(ev, m.Finished):
+                    ended = True
+                    await _sse(resp, shaper.chunk(finished=ev))
+                    if include_usage:
+                        await _sse(resp, shaper.usage_chunk(ev))
+                    break
+                elif isinstance(ev, m.Error):
+                    ended = True
+                    await _sse(resp, error_body(ev.status, ev.message, ev.code, ev.param))
+                    break
+                ev = None
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+    except TimeoutError:
+        pass
+    if not ended:
+        _time_limit_reached(gw, t)
+    transport = request.transport
+    if transport is not None and transport.get_write_buffer_size() < STALLED_WRITE_BYTES:
+        try:
+            async with asyncio.timeout(WRITE_GRACE_S):
+                if not ended:
+                    await _sse(resp, error_body(504, _time_limit_message(gw.config.request_timeout_s), "request_timeout"))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+        except TimeoutError:
+            pass
+    # the client reads nothing (its unread bytes fill the buffers): drop its connection
+    log.warning("[%s] the client does not read its stream: closing the connection", t.id)
+    if transport is not None:
+        transport.abort()
     return resp
 
 
@@ -190,14 +285,28 @@ async def health(request: web.Request) -> web.Response:
         "admitted": len(link.requests),
         "waiting": link.waiting_count(),
         "worker": None if stats is None else {"active": stats.active, "queue_depth": stats.queue_depth,
-                                              "tokens_per_s": stats.tokens_per_s, "time": stats.time},
+                                              "tokens_per_s": stats.tokens_per_s, "time": stats.time,
+                                              "requests_total": stats.requests_total,
+                                              "requests_finished": stats.requests_finished},
     }
     return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI description of this server, from the structs that validate and shape it."""
+    gw = request.app[GATEWAY]
+    w = gw.link.worker
+    return web.json_response(describe(
+        cap=gw.config.max_tokens_cap, model=w.model_id if w else None, joint=bool(w and w.joint_available),
+        auth=bool(gw.config.api_key), context_limit=w.context_limit if w else None,
+        max_body_bytes=gw.config.max_body_bytes, request_timeout_s=gw.config.request_timeout_s))
+
+
 def make_app(gw: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=gw.config.max_body_bytes)
+    app = web.Application(middlewares=[host_and_origin, errors_and_auth], client_max_size=gw.config.max_body_bytes)
     app[GATEWAY] = gw
+    app.on_response_prepare.append(_cors_on_prepare)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
     app.router.add_get("/v1/models", models)

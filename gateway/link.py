@@ -133,6 +133,11 @@ class WorkerLink:
         else:  # never reached a live worker: nothing to stop there
             self._end(t, m.Error(request_id, "cancelled", reason, 503))
 
+    def end_all(self, code: str, message: str, status: int = 503) -> None:
+        """Ends every admitted request here with an error (the worker can no longer end them)."""
+        for t in list(self.requests.values()):
+            self._end(t, m.Error(t.id, code, message, status))
+
     def waiting_count(self) -> int:
         return sum(1 for t in self.requests.values() if not t.started)
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ import time
 import zmq
 
 from gateway.app import Gateway, GatewayConfig, make_app
+from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
 
 log = logging.getLogger("verity.gateway")
@@ -29,12 +31,18 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--keepalive-s", type=float, default=5.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--allow-host", action="append", default=[])
+    p.add_argument("--allow-origin", action="append", default=[])
+    p.add_argument("--log-prompts", action="store_true")
     a = p.parse_args(argv)
     return GatewayConfig(
         runtime_dir=a.runtime_dir, host=a.host, port=a.port, max_active=a.max_active,
         queue_size=a.queue_size, api_key=os.environ.get("VERITY_API_KEY") or None,
         max_tokens_cap=a.max_tokens_cap, max_body_bytes=a.max_body_bytes,
         keepalive_s=a.keepalive_s, drain_timeout_s=a.drain_timeout_s,
+        request_timeout_s=a.request_timeout_s or None, allow_hosts=tuple(a.allow_host),
+        allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts,
     )
 
 
@@ -43,23 +51,47 @@ async def serve(config: GatewayConfig) -> int:
 
     gw = Gateway(config)
     gw.link.start()
-    runner = web.AppRunner(make_app(gw), handler_cancellation=True, access_log=None)
+    # handlers end by themselves after the drain (every admitted request is ended by then): the
+    # shutdown timeout only bounds connections that linger
+    runner = web.AppRunner(make_app(gw), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
+    gw.guard.port = port  # the Host check wants the real port (--port 0 picks one)
     stop = asyncio.Event()
+    orphaned = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runtime.watch_parent(lambda: loop.call_soon_threadsafe(stop.set))
+
+    def parent_died() -> None:
+        orphaned.set()
+        stop.set()
+
+    runtime.watch_parent(lambda: loop.call_soon_threadsafe(parent_died))
     _report_ready(config, port)
-    log.info("gateway listening on http://%s:%d", config.host, port)
+    log.info("gateway listening on %s", _url(config.host, port))
+    warning = exposure_warning(config.host, config.api_key)
+    if warning:
+        log.warning("\n%s\n  %s\n%s", "!" * 78, warning, "!" * 78)
     await stop.wait()
-    await _drain(gw)
+    if orphaned.is_set():
+        await _orphaned(gw)
+    else:
+        await _drain(gw)
     await runner.cleanup()
     await gw.link.close()
+    if orphaned.is_set():  # nobody else is left to remove it
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
     return 0
+
+
+async def _orphaned(gw: Gateway) -> None:
+    """launch-stack died (the worker exits with it): end every admitted request now, then exit."""
+    gw.draining = True
+    log.error("launch-stack exited: ending %d admitted requests and stopping", len(gw.link.requests))
+    gw.link.end_all("supervisor_died", "the server stopped: its supervisor (launch-stack) exited")
 
 
 async def _drain(gw: Gateway) -> None:
@@ -74,6 +106,10 @@ async def _drain(gw: Gateway) -> None:
         gw.link.cancel(rid, reason="the server is shutting down")
     if gw.link.requests:
         log.warning("drain timed out with %d requests; cancelled them", len(gw.link.requests))
+    grace = time.monotonic() + 2.0  # the worker confirms cancels at its next step
+    while gw.link.requests and gw.link.ready and time.monotonic() < grace:
+        await asyncio.sleep(0.05)
+    gw.link.end_all("shutting_down", "the server is shutting down")  # nothing is left hanging
 
 
 def _report_ready(config: GatewayConfig, port: int) -> None:
@@ -81,8 +117,12 @@ def _report_ready(config: GatewayConfig, port: int) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(runtime.endpoint(config.runtime_dir, runtime.SUPERVISOR))
-    sock.send(codec.encode(m.Ready(process="gateway", pid=os.getpid(), url=f"http://{config.host}:{port}")))
+    sock.send(codec.encode(m.Ready(process="gateway", pid=os.getpid(), url=_url(config.host, port))))
     sock.close()
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def run_gateway(argv: list[str] | None = None) -> int:

@@ -9,8 +9,9 @@ import msgspec
 
 from protocol import messages as m
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 def error_body(status: int, message: str, code: str, param: Optional[str] = None) -> dict:

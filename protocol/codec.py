@@ -22,7 +22,10 @@ class Decoder:
         self._dec = msgspec.msgpack.Decoder(kind)
 
     def decode(self, data: bytes) -> Any:
-        return self._dec.decode(data)
+        try:
+            return self._dec.decode(data)
+        except UnicodeDecodeError as e:  # msgspec lets invalid UTF-8 in a str through as this
+            raise msgspec.DecodeError(f"invalid UTF-8 in a string: {e.reason} at byte {e.start}") from None
 
 
 DecodeError = msgspec.DecodeError  # ValidationError is a subclass

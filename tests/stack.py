@@ -47,6 +47,14 @@ class Stack(StackProcess):
     def worker_pid(self) -> Optional[int]:
         return self.health()[1].get("worker_pid")
 
+    def settled(self, timeout: float = 30) -> dict:
+        """/health once idle, with worker stats sent after idleness was seen (the worker publishes
+        them every 0.5 s: an older snapshot may predate the last requests)."""
+        wait_until(self.idle, timeout, "no admitted request in the gateway and none active or queued in the worker")
+        t = time.time()
+        wait_until(lambda: (self.health()[1].get("worker") or {}).get("time", 0) > t, 10, "fresh worker stats")
+        return self.health()[1]
+
     def idle(self) -> bool:
         """No admitted request in the gateway and none active or queued in the worker."""
         code, h = self.health()

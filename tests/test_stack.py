@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import aiohttp
 import openai
@@ -216,7 +217,7 @@ async def test_full_line_gets_429_and_waiting_stream_gets_keepalives(small_stack
     await until(small_stack.idle, 30, "idle after cancels")
 
 
-async def test_killed_worker_is_restarted_and_nothing_admitted_is_lost(small_stack):
+async def test_killed_worker_is_restarted_and_nothing_admitted_is_lost(small_stack, reliability):
     url = small_stack.url
     expected = (await post(url, chat_body("hello world"), headers={}))[1]["choices"][0]["message"]["content"]
     old_pid = small_stack.worker_pid()
@@ -227,6 +228,7 @@ async def test_killed_worker_is_restarted_and_nothing_admitted_is_lost(small_sta
         waiting = [asyncio.create_task(post(url, chat_body("hello world"), headers={})) for _ in range(2)]
         await until(lambda: small_stack.health()[1].get("admitted") == 3, 10, "three admitted")
         os.kill(old_pid, signal.SIGKILL)
+        t0 = time.monotonic()
         await until(lambda: small_stack.health()[0] == 503, 10, "/health to say 503 while the worker is down")
         tail = [line async for line in running.content]
     errors = [json.loads(x[6:]) for x in tail if x.startswith(b'data: {"error"')]
@@ -238,6 +240,13 @@ async def test_killed_worker_is_restarted_and_nothing_admitted_is_lost(small_sta
         assert status == 200 and body["choices"][0]["message"]["content"] == expected
     await until(lambda: small_stack.health()[0] == 200, 60, "the restarted worker")
     assert small_stack.worker_pid() != old_pid and small_stack.health()[1]["worker_restarts"] == 1
+    reliability.record(
+        "faults", "Worker killed with SIGKILL mid-stream",
+        "One stream decoding, two requests waiting; the worker gets SIGKILL. The started stream ends with "
+        "one `worker_died` error event and [DONE]; /health says 503 until the restarted worker is READY; "
+        "the waiting requests are resubmitted to it and answered with the text a healthy worker gives.",
+        started_stream="error event worker_died, then [DONE]", waiting_requests_served=len(waiting),
+        health_while_down=503, serving_again_after_s=round(time.monotonic() - t0, 2))
 
 
 def test_start_failure_names_the_child(tmp_path):
@@ -249,7 +258,7 @@ def test_start_failure_names_the_child(tmp_path):
     assert "worker exited with code 1 during start-up" in r.stderr
 
 
-async def test_worker_that_keeps_dying_fails_the_stack(tiny_llama, tmp_path):
+async def test_worker_that_keeps_dying_fails_the_stack(tiny_llama, tmp_path, reliability):
     s = Stack(str(tiny_llama), "--max-restarts", "1",
               env={"VERITY_FAULT_EXIT_ON_JOB": "3"}).start()
     status, err, _ = await post(s.url, chat_body(), headers={})  # kills every worker it reaches
@@ -258,6 +267,11 @@ async def test_worker_that_keeps_dying_fails_the_stack(tiny_llama, tmp_path):
     log = s.log()
     assert code == 2, log
     assert log.count("exited with code 3") == 2 and "giving up" in log
+    reliability.record(
+        "faults", "A worker that keeps dying",
+        "Every worker exits (code 3) when a job reaches it (VERITY_FAULT_EXIT_ON_JOB); with --max-restarts 1, "
+        "launch-stack restarts it once, then gives up and exits non-zero; the admitted request gets 503.",
+        request_status=status, worker_deaths=2, launch_stack_exit_code=code)
 
 
 async def test_joint_over_http_equals_baseline(tiny_llama, tmp_path):

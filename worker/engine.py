@@ -254,6 +254,7 @@ class Engine:
                 self._waiting.remove(r)
         for r in waiting:
             events.append(m.Finished(r.id, "cancelled", self._metrics(r)))
+        self.totals.finished += len(waiting)  # they never reach _release
         for r in [r for r in self._active if r.id in cancels]:
             self._finish(r, "cancelled", events)
             self._release(r)
