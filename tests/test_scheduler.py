@@ -146,3 +146,15 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     altered.write_text("\n".join(lines[:-1] + [json.dumps(rec)]) + "\n")
     r = subprocess.run([*verity, str(altered)], capture_output=True, text=True)
     assert r.returncode == 1 and f"line {len(lines)}" in r.stdout, r.stdout + r.stderr
+
+
+def test_new_requests_start_from_what_the_server_has_seen():
+    s = Scheduler()
+    for _ in range(30):
+        s.observe_cycle("old", 2, 0)  # the draft is rejected at once, every time
+    s.forget("old")
+    fresh = s._acceptance("new").rates()
+    assert fresh[0] < 0.25  # not the 0.5 of the bare prior
+    for _ in range(10):
+        s.observe_cycle("new", 2, 2)  # this request's own text is easy: it soon goes its own way
+    assert s.acceptance["new"].rates()[0] > 0.6

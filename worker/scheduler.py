@@ -55,6 +55,15 @@ class Acceptance:
     def rates(self) -> list[float]:
         return [(a + PRIOR_ACCEPT) / (t + PRIOR_ACCEPT + PRIOR_REJECT) for a, t in zip(self.accepted, self.tried)]
 
+    def seed(self, weight: float = 4.0) -> "Acceptance":
+        """A new request's estimate: this one's rates, worth at most `weight` observations per
+        position (a new request starts from what the server has seen, and soon goes its own way)."""
+        out = Acceptance(len(self.tried))
+        for j, (a, t) in enumerate(zip(self.accepted, self.tried)):
+            scale = min(1.0, weight / t) if t else 0.0
+            out.accepted[j], out.tried[j] = a * scale, t * scale
+        return out
+
 
 # ---- cost of complete rounds ----
 
@@ -191,6 +200,7 @@ class Scheduler:
         self.fixed, self.b_max = fixed, b_max
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
+        self.overall = Acceptance(POSITIONS)  # every request's cycles: the prior of new requests
         self.rounds = 0
         self.rounds_without_draft = 0
         self._round: tuple[int, int, int] | None = None
@@ -203,7 +213,7 @@ class Scheduler:
         if self.fixed is not None:
             lengths = [self.fixed] * len(joint_ids)
         else:
-            rates = [self.acceptance.setdefault(i, Acceptance(POSITIONS)).rates() for i in joint_ids]
+            rates = [self._acceptance(i).rates() for i in joint_ids]
             probe = self.rounds_without_draft >= PROBE_EVERY
             table = self.cost.table()
             d = decide(rates, n_requests, table, self.b_max, probe)
@@ -219,7 +229,8 @@ class Scheduler:
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         if k:
-            self.acceptance.setdefault(request_id, Acceptance(POSITIONS)).observe(k, n)
+            self._acceptance(request_id).observe(k, n)
+            self.overall.observe(k, n)
 
     def observe_round(self, seconds: float, complete: bool, reason: str = "") -> None:
         if self._round is None:
@@ -233,6 +244,11 @@ class Scheduler:
     def interrupt(self, reason: str) -> None:
         """The last observed round turned out not to be a complete one."""
         self.cost.interrupt(reason)
+
+    def _acceptance(self, request_id: str) -> Acceptance:
+        if request_id not in self.acceptance:
+            self.acceptance[request_id] = self.overall.seed()
+        return self.acceptance[request_id]
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
