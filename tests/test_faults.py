@@ -261,6 +261,7 @@ async def test_stalled_write_is_cut_at_the_time_limit(tmp_path, caplog, reliabil
     finally:
         sock.close()
         await runner.cleanup()
+        gw.link.ctx.destroy(linger=0)  # never started; not left to the garbage collector
     assert 1.0 <= cancelled_s < 2.5 and not gw.link.requests
     reliability.record(
         "faults", "A stream write blocked by a client that reads nothing",
