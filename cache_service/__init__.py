@@ -1,5 +1,5 @@
-"""The cache service process (snapshot metadata and the byte budget).
+"""The cache service process: the metadata of every reusable snapshot and the byte budget.
 
-It arrives with the issue "The cache service and exact prefix reuse"; until then launch-stack
-starts no cache process and the worker serves without reuse.
+The arrays stay in the worker (and in the spill files it writes); this process decides which
+snapshots are kept (index.py) and answers the worker's lookups (service.py).
 """

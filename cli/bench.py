@@ -186,3 +186,4 @@ def add_commands(sub) -> None:
     __import__("cli.bench_spec").bench_spec.add_command(benches)  # verity bench spec (cli/bench_spec.py)
     __import__("cli.bench_sched").bench_sched.add_command(benches)  # verity bench sched (cli/bench_sched.py)
     __import__("cli.bench_gpu").bench_gpu.add_command(benches)  # verity bench gpu (cli/bench_gpu.py)
+    __import__("cli.bench_cache").bench_cache.add_command(benches)  # verity bench cache (cli/bench_cache.py)

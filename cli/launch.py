@@ -1,6 +1,9 @@
-"""launch-stack: starts the worker and the gateway, waits for READY, watches, restarts, stops.
+"""launch-stack: starts the cache service, the worker and the gateway, waits for READY, watches,
+restarts, stops.
 
 Exit codes: 0 after a clean stop, 1 when the start failed, 2 when the worker kept dying.
+The cache service is not essential: when it dies the worker serves without prefix reuse, and it
+is restarted with backoff for as long as the stack runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ STOP_TIMEOUT_S = 10.0
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 RESTART_WINDOW_S = 120.0
 EXIT_START_FAILED, EXIT_WORKER_FAILING = 1, 2
+DEFAULT_CACHE_BYTES = "1G"
 
 
 class StartFailed(Exception):
@@ -45,6 +49,7 @@ class Child:
     ready: Optional[m.Ready] = None
     failures: list[float] = field(default_factory=list)
     restart_at: Optional[float] = None
+    essential: bool = True  # its dying for good fails the stack
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,7 +79,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-prompts", action="store_true", help="write prompt text to the log (off: only ids and counts)")
     p.add_argument("--max-restarts", type=int, default=5, help=f"worker deaths within {RESTART_WINDOW_S:.0f}s before giving up")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
+    p.add_argument("--cache-bytes", type=byte_size, default=byte_size(DEFAULT_CACHE_BYTES),
+                   help=f"byte budget of the prefix-reuse snapshots, e.g. 512M or 2G (default {DEFAULT_CACHE_BYTES}; 0: no reuse)")
+    p.add_argument("--cache-dir", default=None,
+                   help="spill snapshots to files here (mode 0700) so reuse survives a worker restart")
     return parse_with_config(p, argv)
+
+
+def byte_size(text: str) -> int:
+    """'1073741824', '512M', '2G', '1.5GiB' -> bytes (K, M, G, T are powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1024 ** ("KMGT".index(t[-1]) + 1) if t and t[-1] in "KMGT" else 1
+    try:
+        value = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte size cannot be negative: {text!r}")
+    return int(value * scale)
 
 
 class Supervisor:
@@ -103,7 +125,10 @@ class Supervisor:
                                   "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
                                   *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
-                                  *(["--decision-log", a.decision_log] if a.decision_log else [])], blas_env(base))
+                                  *(["--decision-log", a.decision_log] if a.decision_log else []),
+                                  *(["--prefix-cache"] if a.cache_bytes else []),
+                                  *(["--cache-dir", os.path.abspath(a.cache_dir)] if a.cache_bytes and a.cache_dir else [])],
+                       blas_env(base))
         gateway = Child("gateway", [py, "-m", "gateway", "--runtime-dir", self.runtime_dir, "--host", a.host,
                                     "--port", str(a.port), "--max-active", str(a.max_active),
                                     "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),
@@ -113,7 +138,11 @@ class Supervisor:
                                     *[f"--allow-host={h}" for h in a.allow_host],
                                     *[f"--allow-origin={o}" for o in a.allow_origin],
                                     *(["--log-prompts"] if a.log_prompts else [])], gw_env)
-        return [worker, gateway]
+        if not a.cache_bytes:
+            return [worker, gateway]
+        cache = Child("cache", [py, "-m", "cache_service", "--runtime-dir", self.runtime_dir,
+                                "--cache-bytes", str(a.cache_bytes)], base, essential=False)
+        return [cache, worker, gateway]  # the cache first: the worker registers its spilled snapshots there
 
     def spawn(self, c: Child) -> None:
         c.ready, c.restart_at = None, None
@@ -123,20 +152,27 @@ class Supervisor:
     # ---- start ----
 
     def start(self) -> None:
+        if self.args.cache_bytes and self.args.cache_dir:
+            try:
+                os.makedirs(self.args.cache_dir, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise StartFailed(f"cannot use --cache-dir {self.args.cache_dir}: {e.strerror}") from None
         for c in self.children.values():
             self.spawn(c)
         deadline = time.monotonic() + self.args.start_timeout_s
-        while not all(c.ready for c in self.children.values()):
+        # a cache service that dies while starting is restarted by watch(); the stack starts without it
+        while waiting := [c.name for c in self.children.values() if not c.ready and (c.essential or c.restart_at is None)]:
             if self.stopping:
                 raise StartFailed("interrupted during start-up")
             while self._receive(timeout_ms=0):
                 pass
             for c in self.children.values():
                 code = c.proc.poll()
-                if code is not None and not c.ready:  # one that died after READY is watch()'s
-                    raise StartFailed(f"{c.name} exited with code {code} during start-up")
+                if code is not None and not c.ready and c.restart_at is None:  # one that died after READY is watch()'s
+                    if c.essential:
+                        raise StartFailed(f"{c.name} exited with code {code} during start-up")
+                    self._exited(c, code, time.monotonic())
             if time.monotonic() > deadline:
-                waiting = [c.name for c in self.children.values() if not c.ready]
                 raise StartFailed(f"no READY from {', '.join(waiting)} within {self.args.start_timeout_s:.0f}s")
             self._receive(timeout_ms=100)
 
@@ -156,7 +192,8 @@ class Supervisor:
             raise StartFailed(f"{c.name} speaks protocol {msg.protocol_version}, launch-stack {m.PROTOCOL_VERSION}")
         c.ready = msg
         log.info("%s ready (pid %d)", c.name, msg.pid)
-        self._tell_gateway_about_worker()
+        if c.name in ("worker", "gateway"):  # the gateway resubmits what waits on each worker READY
+            self._tell_gateway_about_worker()
         return True
 
     def _tell_gateway_about_worker(self) -> None:
@@ -176,27 +213,33 @@ class Supervisor:
                         self.spawn(c)
                     continue
                 code = c.proc.poll()
-                if code is None:
-                    continue
-                log.error("%s (pid %d) exited with code %d", c.name, c.proc.pid, code)
-                if c.name == "worker":
-                    self.to_gateway.send(codec.encode(m.WorkerDown(c.proc.pid, code)))
-                c.failures = [t for t in c.failures if now - t < RESTART_WINDOW_S] + [now]
-                if len(c.failures) > self.args.max_restarts:
-                    log.error("%s died %d times within %.0fs; giving up", c.name, len(c.failures), RESTART_WINDOW_S)
+                if code is not None and not self._exited(c, code, now):
                     return EXIT_WORKER_FAILING
-                delay = BACKOFF_S[min(len(c.failures) - 1, len(BACKOFF_S) - 1)]
-                log.info("restarting %s in %.1fs", c.name, delay)
-                c.ready, c.restart_at = None, now + delay
         return 0
+
+    def _exited(self, c: Child, code: int, now: float) -> bool:
+        """Schedules the restart of a child that exited, with backoff; False: an essential one
+        keeps dying (a non-essential one is restarted for as long as the stack runs)."""
+        log.error("%s (pid %d) exited with code %d", c.name, c.proc.pid, code)
+        if c.name == "worker":
+            self.to_gateway.send(codec.encode(m.WorkerDown(c.proc.pid, code)))
+        c.failures = [t for t in c.failures if now - t < RESTART_WINDOW_S] + [now]
+        if c.essential and len(c.failures) > self.args.max_restarts:
+            log.error("%s died %d times within %.0fs; giving up", c.name, len(c.failures), RESTART_WINDOW_S)
+            return False
+        delay = BACKOFF_S[min(len(c.failures) - 1, len(BACKOFF_S) - 1)]
+        log.info("restarting %s in %.1fs%s", c.name, delay, "" if c.essential else " (serving without it meanwhile)")
+        c.ready, c.restart_at = None, now + delay
+        return True
 
     # ---- stop ----
 
     def stop(self) -> None:
-        """Gateway first (it drains admitted requests), then the worker."""
-        gateway, worker = self.children["gateway"], self.children["worker"]
+        """Gateway first (it drains admitted requests), then the worker, then the cache service."""
+        gateway, worker, cache = self.children["gateway"], self.children["worker"], self.children.get("cache")
         _terminate(gateway.proc, self.args.drain_timeout_s + STOP_TIMEOUT_S)
         _terminate(worker.proc, STOP_TIMEOUT_S)
+        _terminate(cache.proc if cache else None, STOP_TIMEOUT_S)
         self.ctx.destroy(linger=0)
         os.close(self.death_w)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -49,3 +49,11 @@ def supervisor_decoder() -> Decoder:
 
 def stats_decoder() -> Decoder:
     return Decoder(m.StatsSnapshot)
+
+
+def cache_request_decoder() -> Decoder:
+    return Decoder(m.CacheRequest)
+
+
+def cache_reply_decoder() -> Decoder:
+    return Decoder(m.CacheServiceMessage)

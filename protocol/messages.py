@@ -179,6 +179,98 @@ class StatsSnapshot(Struct, tag=True):
     cache_bytes: Optional[int] = None
     cache_hits: int = 0
     cache_lookups: int = 0
+    cache_entries: int = 0
+    cache_budget_bytes: int = 0
+    cache_generation_hits: int = 0  # of cache_hits, those on end-of-generation snapshots
+    cache_reused_tokens: int = 0
+    cache_evictions: int = 0
+
+
+# ---- worker <-> cache service (DEALER -> ROUTER): snapshot metadata and the byte budget ----
+
+SnapshotKind = Literal["boundary", "generation"]  # a verified message boundary, or the end of a generation
+
+
+class SnapshotMeta(Struct):
+    """What the cache service knows of one snapshot; its arrays stay in the worker (or its spill file)."""
+
+    id: str  # hash of identity and tokens: the same prefix under the same identity is the same entry
+    identity: str  # model revision, chat template, quantization, thinking mode, draft
+    tokens: list[int]  # the exact token prefix the target state holds
+    nbytes: int  # KV and recurrent state of target and draft
+    kind: SnapshotKind
+    last_use: float  # time.time()
+
+
+class CacheStats(Struct):
+    budget: int = 0
+    bytes: int = 0  # never above budget
+    entries: int = 0
+    lookups: int = 0
+    hits: int = 0
+    generation_hits: int = 0  # of hits, those on end-of-generation snapshots
+    reused_tokens: int = 0
+    evictions: int = 0
+
+
+class CacheSync(Struct, tag=True):
+    """Everything the worker holds, on first contact with a service (or after either restarted):
+    the service replaces its table with it and answers what to drop to fit the budget."""
+
+    seq: int
+    entries: list[SnapshotMeta]
+
+
+class CacheLookup(Struct, tag=True):
+    """The longest snapshot that is a verified prefix of `tokens`, leaving at least one to prefill."""
+
+    seq: int
+    service_id: str  # the service the worker synced with; another one answers `resync`
+    identity: str
+    tokens: list[int]
+    trimmable: bool  # pure attention: a longer snapshot may be cut back to the common prefix
+
+
+class CacheStore(Struct, tag=True):
+    """Asks to keep a new snapshot. The worker keeps nothing before the answer, and drops what
+    the answer evicts before it keeps the new one."""
+
+    seq: int
+    service_id: str
+    entry: SnapshotMeta
+    trimmable: bool  # a trimmable entry replaces the entries that are its prefixes
+
+
+class CacheDrop(Struct, tag=True):
+    """The worker lost these (a spill file missing or corrupt)."""
+
+    seq: int
+    service_id: str
+    ids: list[str]
+
+
+class CacheStatsRequest(Struct, tag=True):
+    """A heartbeat: the answer carries the stats (and says `resync` to a worker it does not know)."""
+
+    seq: int
+    service_id: str
+
+
+class CacheHit(Struct):
+    id: str
+    length: int  # prompt tokens the snapshot gives: its own length, or less when trimmed
+
+
+class CacheReply(Struct, tag=True):
+    """The one answer to every cache request; each request reads the fields it asked for."""
+
+    seq: int
+    service_id: str
+    stats: CacheStats
+    resync: bool = False  # not the service the worker synced with: sync, then ask again
+    hit: Optional[CacheHit] = None  # CacheLookup
+    granted: bool = False  # CacheStore: keep the new snapshot
+    evict: list[str] = []  # CacheStore, CacheSync: drop these first
 
 
 # One union per socket direction: decoders reject anything else.
@@ -186,5 +278,7 @@ JobMessage = SubmitRequest
 ControlMessage = CancelRequest
 WorkerOutMessage = Union[Ready, EventBatch]
 SupervisorMessage = Union[Ready, WorkerDown]
+CacheRequest = Union[CacheSync, CacheLookup, CacheStore, CacheDrop, CacheStatsRequest]
+CacheServiceMessage = CacheReply
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "msgspec")]

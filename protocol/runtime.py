@@ -14,6 +14,7 @@ EVENTS = "events"  # worker PUSH -> gateway PULL (bind)
 WORKER_STATS = "worker-stats"  # worker PUB (bind) -> gateway SUB
 SUPERVISOR = "supervisor"  # children PUSH -> launch-stack PULL (bind): READY
 GATEWAY_CONTROL = "gateway-control"  # launch-stack PUSH -> gateway PULL (bind): worker up/down
+CACHE = "cache"  # worker DEALER -> cache service ROUTER (bind): snapshot metadata, byte budget
 
 PARENT_FD_ENV = "VERITY_PARENT_FD"
 

@@ -24,6 +24,7 @@ from worker.spec.batch import joint_round
 from worker.spec.joint import CycleStats, JointDecoder
 from worker.spec.sampling import SamplingParams
 from worker.scheduler import Scheduler
+from worker.reuse import Plan, PrefixCache, Start
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
 
@@ -60,6 +61,8 @@ class _Request:
     first_token_at: float = 0.0
     done: bool = False
     last_token_at: float = 0.0
+    plan: Optional[Plan] = None  # prefix reuse (worker/reuse.py)
+    finish: str = ""
 
 
 @dataclass
@@ -80,8 +83,9 @@ class _Totals:
 class _Baseline:
     """mlx-lm's generate_step: pipelined one-token steps."""
 
-    def __init__(self, gen: Iterator):
+    def __init__(self, gen: Iterator, cache: Optional[list] = None):
         self.gen, self.started = gen, False
+        self.cache = cache  # after each token, it holds the prompt and every token emitted
 
     def advance(self) -> list[int]:
         token = next(self.gen)[0]  # the first call prefills
@@ -124,10 +128,10 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
 
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None,
-                 drafter_factory=None):
+                 drafter_factory=None, reuse: Optional[PrefixCache] = None):
         """drafter_factory(request_id, prompt) -> Drafter replaces the draft model's own drafter
-        (benchmarks: the controlled-acceptance draft; never served)."""
-        self.lm, self.config, self.draft = lm, config, draft
+        (benchmarks: the controlled-acceptance draft; never served). reuse: exact prefix reuse."""
+        self.lm, self.config, self.draft, self.reuse = lm, config, draft, reuse
         self.drafter_factory = drafter_factory
         self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
         self.eos_ids = set(lm.tokenizer.eos_token_ids)
@@ -156,10 +160,11 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
                 param="messages" if req.messages is not None else "prompt",
             )
+        plan = self.reuse.plan(req, prompt) if self.reuse else None
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise RequestError("queue_full", "the worker's waiting line is full", status=429)
-            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter()))
+            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter(), plan=plan))
             self.totals.requests += 1
             self._lock.notify()
         return len(prompt)
@@ -192,6 +197,7 @@ class Engine:
             prompt_tokens_total=t.prompt_tokens, generated_tokens_total=t.generated_tokens,
             tokens_per_s=tps, drafted_total=t.joint.drafted, accepted_total=t.joint.accepted,
             cycles_total=t.joint.cycles, rollbacks_total=t.joint.rollbacks, recovery_s_total=t.joint.recovery_s,
+            **(self.reuse.stats_fields() if self.reuse else {}),
         )
 
     # ---- the MLX thread ----
@@ -274,18 +280,21 @@ class Engine:
 
     def _decoder(self, r: _Request):
         req = r.req
+        # with reuse: caches that hold a prefix of the prompt (restored, then prefilled to its boundaries)
+        s = self.reuse.start(r.plan, r.prompt, req.mode == "joint") if r.plan else Start()
         if req.mode == "joint":
             params = SamplingParams(req.temperature, req.top_p)
             drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
-                       else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step))
+                       else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
+                                    s.draft_cache, r.prompt[: s.draft_pos]))
             jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
-                              self.config.prefill_step)
+                              self.config.prefill_step, s.cache, s.pos)
             return _Joint(jd)
         return _Baseline(generate_step(
-            mx.array(r.prompt), self.lm.model, max_tokens=-1,
+            mx.array(r.prompt[s.pos :]), self.lm.model, max_tokens=-1,
             sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
-            prefill_step_size=self.config.prefill_step,
-        ))
+            prefill_step_size=self.config.prefill_step, prompt_cache=s.cache,
+        ), s.cache)
 
     def _on_token(self, r: _Request, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""
@@ -314,7 +323,7 @@ class Engine:
             tail = text if stopped else text + r.stop.flush()
             if tail:
                 events.append(m.TextDelta(r.id, tail, []))
-        r.done = True
+        r.done, r.finish = True, reason
         events.append(m.Finished(r.id, reason, self._metrics(r)))
         return True
 
@@ -328,16 +337,28 @@ class Engine:
             self._active.remove(r)
         if isinstance(r.decoder, _Joint):
             self.totals.add_joint(r.decoder.decoder.stats)
+        if r.plan is not None and r.finish in ("stop", "length") and r.decoder is not None:
+            self._keep_generation(r)
         if r.decoder is not None:
             r.decoder.close()
             r.decoder = None
         self.totals.finished += 1
+
+    def _keep_generation(self, r: _Request) -> None:
+        """The end-of-generation snapshot, of the tokens the target cache consumed: baseline's
+        generate_step has fed every emitted token (it runs one ahead), the joint path all but the last."""
+        if isinstance(r.decoder, _Joint):
+            jd = r.decoder.decoder
+            self.reuse.keep_generation(r.plan, jd.tokens[:-1], jd.cache, jd.drafter)
+        else:
+            self.reuse.keep_generation(r.plan, r.prompt + r.tokens, r.decoder.cache)
 
     def _metrics(self, r: _Request) -> m.RequestMetrics:
         n = len(r.tokens)
         span = r.last_token_at - r.first_token_at
         out = m.RequestMetrics(
             mode=r.req.mode, prompt_tokens=len(r.prompt), completion_tokens=n,
+            reused_tokens=r.plan.reused if r.plan else 0,
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
         )

@@ -15,13 +15,17 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 import zmq
 
 from protocol import codec, messages as m, runtime
 from worker import faults
+from worker.cache_client import CacheClient
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
+from worker.reuse import PrefixCache
+from worker.snapshots import SnapshotStore
 from worker.spec.state import install_recording
 
 log = logging.getLogger("verity.worker")
@@ -72,12 +76,16 @@ class WorkerProc:
             self.stopping.set()
             for t in threads:
                 t.join(timeout=2)
+            if self.engine.reuse:
+                self.engine.reuse.close()
             self.ctx.term()
         return 0
 
     def _engine_loop(self) -> None:
         while not self.stopping.is_set():
             if not self.engine.wait_for_work(IDLE_WAIT_S):
+                if self.engine.reuse:
+                    self.engine.reuse.heartbeat()
                 continue
             events = self.engine.step()
             if events:
@@ -146,6 +154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-budget", type=int, default=None)
     p.add_argument("--decision-log", default=None)
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
+    p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
+    p.add_argument("--cache-dir", default=None, help="spill snapshots here (survive a worker restart)")
     return p.parse_args(argv)
 
 
@@ -168,10 +178,24 @@ def run_worker(argv: list[str] | None = None) -> int:
                           decision_log=args.decision_log)
     engine = Engine(lm, config, draft)
     engine.warmup()
+    if args.prefix_cache:
+        engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
     proc = WorkerProc(engine, lm, args.runtime_dir)
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
     return proc.run()
+
+
+def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],
+                  draft_id: Optional[str]) -> Optional[PrefixCache]:
+    if not all(PrefixCache.supports(x.model) for x in (lm, draft) if x is not None):
+        log.warning("this model's cache cannot be snapshotted: serving without prefix reuse")
+        return None
+    store = SnapshotStore(args.cache_dir)
+    client = CacheClient(runtime.endpoint(args.runtime_dir, runtime.CACHE), store)
+    reuse = PrefixCache(cache_identity(lm, draft_id), lm, draft.model if draft else None, client, store)
+    reuse.heartbeat()  # first contact: registers what the spill directory holds
+    return reuse
 
 
 def _load_with_progress(spec: str, load=None) -> LoadedModel:

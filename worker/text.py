@@ -11,10 +11,31 @@ def render_prompt(tokenizer, req: GenerateRequest) -> list[int]:
     """Token ids of the request's prompt: the chat template for messages, raw text otherwise."""
     if req.messages is None:
         return list(tokenizer.encode(req.prompt))
-    msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+    return _render(tokenizer, req, len(req.messages), add_generation_prompt=True)
+
+
+def message_boundaries(tokenizer, req: GenerateRequest, prompt: list[int]) -> list[int]:
+    """Token indices in `prompt` where the first, the next-to-last and the last message end: the
+    template rendered for the first i messages, kept only where its tokens are a prefix of the
+    whole prompt (a template may render a message differently once others follow it)."""
+    if req.messages is None:
+        return []
+    n, out = len(req.messages), set()
+    for i in {1, n - 1, n} - {0}:
+        try:
+            ids = _render(tokenizer, req, i, add_generation_prompt=False)
+        except Exception:  # a template may refuse a partial conversation
+            continue
+        if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            out.add(len(ids))
+    return sorted(out)
+
+
+def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_prompt: bool) -> list[int]:
+    msgs = [{"role": m.role, "content": m.content} for m in req.messages[:n_messages]]
     kwargs = {} if req.thinking is None else {"enable_thinking": req.thinking}
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper would force a thinking default
-    text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+    text = hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

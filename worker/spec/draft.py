@@ -21,18 +21,18 @@ class Drafter:
     one. replay: one checkpoint before the cycle; recovery restores it and re-feeds the tokens.
     """
 
-    def __init__(self, model, recovery: str = "fast", prefill_step: int = 512):
+    def __init__(self, model, recovery: str = "fast", prefill_step: int = 512,
+                 cache: Optional[list] = None, consumed: Optional[list[int]] = None):
+        """`cache` (with the tokens it holds, `consumed`): start from a restored state."""
         self.model, self.recovery, self.prefill_step = model, recovery, prefill_step
-        self.cache = st.make_cache(model)
-        self.consumed: list[int] = []  # tokens the draft cache holds
+        self.cache = st.make_cache(model) if cache is None else cache
+        self.consumed: list[int] = list(consumed or [])  # tokens the draft cache holds
         self._steps: list[tuple[int, st.Checkpoint]] = []
         self._base: Optional[tuple[int, st.Checkpoint]] = None
         self._agreed = 0  # consumed[:_agreed] is known to be a prefix of the target's tokens
 
     def prefill(self, tokens: list[int]) -> None:
-        for i in range(0, len(tokens), self.prefill_step):
-            self.model(mx.array(tokens[i : i + self.prefill_step])[None], cache=self.cache)
-            mx.eval(st.cache_arrays(self.cache))
+        st.prefill(self.model, self.cache, tokens, self.prefill_step)
         self.consumed += tokens
 
     def propose(self, context: list[int], k: int, position: int, params: SamplingParams,

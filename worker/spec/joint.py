@@ -41,12 +41,16 @@ class CycleStats:
 
 class JointDecoder:
     def __init__(self, target, drafter: Drafter, prompt: list[int], params: SamplingParams,
-                 seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512):
+                 seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512,
+                 cache: Optional[list] = None, cached: int = 0):
+        """`cache`, holding the prompt's first `cached` tokens: start from a restored state (the
+        drafter likewise holds a prefix of the prompt; start() feeds each what it lacks)."""
         if recovery not in RECOVERY_PATHS:
             raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
         self.target, self.drafter, self.params = target, drafter, params
         self.recovery, self.prefill_step = recovery, prefill_step
-        self.cache = st.make_cache(target)
+        self.cache = st.make_cache(target) if cache is None else cache
+        self.cached = cached
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)  # the target cache holds tokens[:-1] once started
         self.key_fn = make_key_fn(seed)
@@ -58,12 +62,10 @@ class JointDecoder:
     def start(self) -> int:
         """Prefills target and draft with the prompt; returns the first token (the target's)."""
         prompt = self.tokens
-        for i in range(0, len(prompt) - 1, self.prefill_step):
-            self.target(mx.array(prompt[i : min(i + self.prefill_step, len(prompt) - 1)])[None], cache=self.cache)
-            mx.eval(st.cache_arrays(self.cache))
+        st.prefill(self.target, self.cache, prompt[self.cached : -1], self.prefill_step)
         logits = self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1]
         y = self._sample(logits)
-        self.drafter.prefill(prompt)
+        self.drafter.prefill(prompt[len(self.drafter.consumed) :])
         self.tokens.append(y)
         return y
 

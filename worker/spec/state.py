@@ -161,6 +161,13 @@ def keep_recorded(cache: list, consumed: int, keep: int) -> None:
                 c.keep(keep)
 
 
+def prefill(model, cache: list, tokens: list[int], step: int = 512) -> None:
+    """Feeds tokens into the cache in chunks of `step`, evaluating each chunk."""
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i : i + step])[None], cache=cache)
+        mx.eval(cache_arrays(cache))
+
+
 def cache_arrays(cache: list) -> list[mx.array]:
     """Every array that defines the state (the valid KV range, conv window, recurrent state)."""
     out = []

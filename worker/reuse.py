@@ -1,0 +1,174 @@
+"""Exact prefix reuse, as plain calls the engine makes on the MLX thread.
+
+A request's caches start from the longest snapshot the cache service finds for its identity
+(restored into a private copy), are prefilled up to each verified message boundary past it (a
+snapshot kept at each), and the rest is the decoder's. At the end of a generation the target
+cache, which then holds exactly the prompt and the tokens it consumed, is kept too. A snapshot is
+kept only when the cache service grants it, after dropping what the service evicts.
+
+Hybrid models (recurrent state) reuse only snapshots that end exactly at a prefix of the prompt;
+pure-attention models may also cut a longer one back to the common prefix (`trimmable`). A
+snapshot of a joint request carries the draft's state too (it may lag the target's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Optional
+
+from mlx_lm.models.cache import KVCache
+
+from protocol import messages as m
+from worker.cache_client import CacheClient
+from worker.snapshots import Snapshot, SnapshotStore, capture, restore, trimmable
+from worker.spec import state as st
+from worker.text import message_boundaries
+
+log = logging.getLogger("verity.worker")
+
+
+@dataclass
+class Plan:
+    """Made when the request is tokenized (off the MLX thread)."""
+
+    identity: str
+    boundaries: list[int]
+    reused: int = 0  # prompt tokens restored from a snapshot
+
+
+@dataclass
+class Start:
+    """Caches holding the prompt's first `pos` tokens (the draft's, its first `draft_pos`);
+    None: the decoder makes fresh ones."""
+
+    cache: Optional[list] = None
+    draft_cache: Optional[list] = None
+    pos: int = 0
+    draft_pos: int = 0
+
+
+def entry_id(identity: str, tokens: list[int]) -> str:
+    return hashlib.sha256(identity.encode() + array("I", tokens).tobytes()).hexdigest()[:32]
+
+
+class PrefixCache:
+    def __init__(self, base_identity: str, lm, draft_model, client: CacheClient, store: SnapshotStore,
+                 prefill_step: int = 512):
+        self.base, self.tokenizer = base_identity, lm.tokenizer
+        self.model, self.draft_model = lm.model, draft_model
+        self.client, self.store, self.prefill_step = client, store, prefill_step
+        self.trimmable = all(trimmable(st.make_cache(x)) for x in (lm.model, draft_model) if x is not None)
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Only attention KV and recurrent arrays can be snapshotted (not rotating or quantized KV)."""
+        try:
+            st.make_cache(model)
+            return True
+        except ValueError:
+            return False
+
+    def identity(self, thinking: Optional[bool]) -> str:
+        return hashlib.sha256(f"{self.base}\x00thinking={thinking}".encode()).hexdigest()[:16]
+
+    def plan(self, req: m.GenerateRequest, prompt: list[int]) -> Plan:
+        return Plan(self.identity(req.thinking), message_boundaries(self.tokenizer, req, prompt))
+
+    # ---- start of a request ----
+
+    def start(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
+        try:
+            s = self._restore(plan, prompt, joint) or Start(
+                st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
+            plan.reused = s.pos
+            # attention: the last boundary's snapshot gives the earlier ones too, cut back
+            for b in plan.boundaries[-1:] if self.trimmable else plan.boundaries:
+                if b <= s.pos:
+                    continue
+                st.prefill(self.model, s.cache, prompt[s.pos : b], self.prefill_step)
+                s.pos = b
+                if joint:
+                    st.prefill(self.draft_model, s.draft_cache, prompt[s.draft_pos : b], self.prefill_step)
+                    s.draft_pos = b
+                self.keep(plan.identity, prompt[:b], "boundary", s.cache, s.draft_cache, s.draft_pos)
+            return s
+        except Exception:  # reuse must never fail a request: it starts from scratch instead
+            log.exception("prefix reuse failed; this request starts without it")
+            plan.reused = 0
+            return Start(st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
+
+    def _restore(self, plan: Plan, prompt: list[int], joint: bool) -> Optional[Start]:
+        hit = self.client.lookup(plan.identity, prompt, self.trimmable)
+        if hit is None:
+            return None
+        snap = self.store.get(hit.id)
+        if snap is None or (hit.length != len(snap.meta.tokens) and not self.trimmable):
+            self.client.drop([hit.id])
+            return None
+        snap.meta.last_use = time.time()
+        s = Start(restore(snap.target, hit.length), None, hit.length)
+        if joint:
+            # a draft state that lags may be used as it is; a longer one only cut back
+            if snap.draft is not None and (snap.draft_tokens <= hit.length or self.trimmable):
+                s.draft_pos = min(snap.draft_tokens, hit.length)
+                s.draft_cache = restore(snap.draft, s.draft_pos)
+            else:
+                s.draft_cache = st.make_cache(self.draft_model)
+        return s
+
+    # ---- keeping a snapshot ----
+
+    def keep(self, identity: str, tokens: list[int], kind: str, cache: list, draft_cache: Optional[list] = None,
+             draft_tokens: int = 0) -> None:
+        """Asks the cache service, drops what it evicts, then keeps a copy of the state."""
+        try:
+            if draft_tokens == 0:
+                draft_cache = None
+            if not (_holds(cache, len(tokens)) and (draft_cache is None or _holds(draft_cache, draft_tokens))):
+                log.error("not keeping a snapshot whose caches disagree with its %d tokens", len(tokens))
+                return
+            nbytes = st.state_nbytes(cache) + (st.state_nbytes(draft_cache) if draft_cache else 0)
+            meta = m.SnapshotMeta(entry_id(identity, tokens), identity, list(tokens), nbytes, kind, time.time())
+            evict = self.client.store(meta, self.trimmable)
+            if evict is None:
+                return
+            self.store.drop(evict)
+            self.store.add(Snapshot(meta, draft_tokens if draft_cache else 0, capture(cache),
+                                    capture(draft_cache) if draft_cache else None))
+        except Exception:
+            log.exception("could not keep a snapshot")
+
+    def keep_generation(self, plan: Plan, tokens: list[int], cache: list, drafter=None) -> None:
+        """The end of a generation: `cache` holds exactly `tokens` (a joint request's drafter, a
+        prefix of them)."""
+        draft_tokens = 0
+        if drafter is not None and drafter.consumed == tokens[: len(drafter.consumed)]:
+            draft_tokens = len(drafter.consumed)
+        self.keep(plan.identity, tokens, "generation", cache, drafter.cache if drafter else None, draft_tokens)
+
+    # ---- stats and upkeep ----
+
+    def stats_fields(self) -> dict:
+        """The cache fields of the worker's StatsSnapshot (cache_bytes None: no cache service)."""
+        s = self.client.stats
+        if s is None:
+            return {}
+        return dict(cache_bytes=s.bytes, cache_hits=s.hits, cache_lookups=s.lookups, cache_entries=s.entries,
+                    cache_budget_bytes=s.budget, cache_generation_hits=s.generation_hits,
+                    cache_reused_tokens=s.reused_tokens, cache_evictions=s.evictions)
+
+    def heartbeat(self) -> None:
+        self.client.heartbeat()
+
+    def close(self) -> None:
+        self.client.close()
+        self.store.close()
+
+
+def _holds(cache: list, n: int) -> bool:
+    """Every attention layer holds n tokens (recurrent state carries no count to check)."""
+    return all(c.offset == n for c in cache if isinstance(c, KVCache))

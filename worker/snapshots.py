@@ -1,0 +1,235 @@
+"""Snapshots of model state at a token prefix: capture, restore into a private copy, spill to files.
+
+A snapshot holds, per layer, the valid range of the attention KV (copied out of mlx-lm's
+preallocated buffer) or the recurrent arrays (conv window and Gated-DeltaNet state, copied too:
+the conv window can be a view that pins a whole prefill's input). A restore hands the cache a
+fresh copy of the KV range (KVCache writes into its buffer in place) and the recurrent arrays by
+reference (ArraysCache replaces them on update, never writes into them; tests/test_reuse.py
+checks that a snapshot is bitwise unchanged after a restored branch moves on).
+
+Spill files (`--cache-dir`) are safetensors, 0600 in a 0700 directory (they hold conversation
+state), with the metadata and a sha256 of the arrays in the header. A file that is missing,
+unreadable or fails its checksum is dropped with a warning, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import msgspec
+from mlx_lm.models.cache import KVCache
+
+from protocol import messages as m
+from worker.spec.state import RecordingArraysCache
+
+log = logging.getLogger("verity.worker")
+FORMAT = "verity-snapshot-1"
+SUFFIX = ".safetensors"
+
+# per layer: ("kv", (keys, values)) with the valid range only, or ("arrays", (conv, state)); None
+# where a recurrent slot was never written
+State = list[tuple[str, tuple]]
+
+
+def capture(cache: list) -> State:
+    out: State = []
+    for c in cache:
+        if isinstance(c, KVCache):
+            arrays = () if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            out.append(("kv", tuple(mx.array(a) for a in arrays)))
+        else:
+            out.append(("arrays", tuple(None if a is None else mx.array(a) for a in c.cache)))
+    mx.eval(arrays_of(out))
+    return out
+
+
+def restore(state: State, length: int) -> list:
+    """A new cache holding the state's first `length` tokens (only KV can be cut back)."""
+    cache, copies = [], []
+    for kind, arrays in state:
+        if kind == "kv":
+            c = KVCache()
+            if arrays:
+                c.keys, c.values = (mx.array(a[..., :length, :]) for a in arrays)
+                c.offset = length
+                copies += [c.keys, c.values]
+        else:
+            c = RecordingArraysCache(len(arrays))
+            c.cache = list(arrays)
+        cache.append(c)
+    mx.eval(copies)
+    return cache
+
+
+def arrays_of(state) -> list[mx.array]:
+    return [a for _, arrays in state for a in arrays if a is not None]
+
+
+def trimmable(cache: list) -> bool:
+    return all(isinstance(c, KVCache) for c in cache)
+
+
+@dataclass
+class Snapshot:
+    meta: m.SnapshotMeta
+    draft_tokens: int  # the draft state holds meta.tokens[:draft_tokens] (0: no draft state)
+    target: Optional[State] = None  # None while it is only in its spill file
+    draft: Optional[State] = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.target is not None
+
+
+class SnapshotStore:
+    """The snapshots this worker holds, by id; with `spill_dir`, each one in a file too, written by
+    a thread of its own so that no request waits on the disk (the arrays are immutable)."""
+
+    def __init__(self, spill_dir: Optional[str] = None):
+        self.snapshots: dict[str, Snapshot] = {}  # changed by the MLX thread only
+        self.high_water = 0  # the most bytes ever held at once (tests check it against the budget)
+        self.dir = Path(spill_dir) if spill_dir else None
+        self._files = threading.Lock()  # a file appears only while its snapshot is held
+        self._writes: queue.Queue = queue.Queue()
+        if self.dir is not None:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.dir.stat().st_mode & 0o077:
+                log.warning("cache dir %s was readable by others; now 0700", self.dir)
+                self.dir.chmod(0o700)
+            self._scan()
+            threading.Thread(target=self._write_loop, name="spill", daemon=True).start()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.meta.nbytes for s in self.snapshots.values())
+
+    def metas(self) -> list[m.SnapshotMeta]:
+        return [s.meta for s in self.snapshots.values()]
+
+    def add(self, snap: Snapshot) -> None:
+        self.snapshots[snap.meta.id] = snap
+        self.high_water = max(self.high_water, self.nbytes)
+        if self.dir is not None:
+            self._writes.put(snap)
+
+    def drop(self, ids) -> None:
+        with self._files:
+            for i in ids:
+                if self.snapshots.pop(i, None) is not None and self.dir is not None:
+                    self._path(i).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Waits until every snapshot added so far is in its file."""
+        self._writes.join()
+
+    def close(self) -> None:
+        if self.dir is not None:
+            self.flush()
+
+    def get(self, entry_id: str) -> Optional[Snapshot]:
+        """The snapshot with its arrays (loaded from its file if need be); None if it is gone."""
+        snap = self.snapshots.get(entry_id)
+        if snap is None or snap.loaded:
+            return snap
+        try:
+            self._load(snap)
+        except Exception as e:  # a missing, truncated or tampered file is never trusted
+            log.warning("dropped spilled snapshot %s: %s", entry_id, e)
+            self.drop([entry_id])
+            return None
+        return snap
+
+    # ---- files ----
+
+    def _path(self, entry_id: str) -> Path:
+        return self.dir / f"{entry_id}{SUFFIX}"
+
+    def _write_loop(self) -> None:
+        while True:
+            snap = self._writes.get()
+            try:
+                self._spill(snap)
+            except Exception as e:
+                log.warning("could not spill snapshot %s: %s", snap.meta.id, e)
+            finally:
+                self._writes.task_done()
+
+    def _spill(self, snap: Snapshot) -> None:
+        arrays, layout = {}, {}
+        for part, state in (("target", snap.target), ("draft", snap.draft)):
+            if state is None:
+                continue
+            layout[part] = [[kind, [a is not None for a in slots]] for kind, slots in state]
+            for i, (_, slots) in enumerate(state):
+                arrays.update({f"{part}.{i}.{j}": a for j, a in enumerate(slots) if a is not None})
+        header = {"meta": msgspec.to_builtins(snap.meta), "draft_tokens": snap.draft_tokens, "layout": layout,
+                  "sha256": _checksum(arrays)}
+        final = self._path(snap.meta.id)
+        tmp = final.with_name(f".{final.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            mx.save_safetensors(f, arrays, metadata={"format": FORMAT, "verity": json.dumps(header)})
+        with self._files:
+            if self.snapshots.get(snap.meta.id) is snap:
+                os.replace(tmp, final)
+            else:  # evicted while it was being written
+                tmp.unlink()
+
+    def _load(self, snap: Snapshot) -> None:
+        arrays, metadata = mx.load(str(self._path(snap.meta.id)), format="safetensors", return_metadata=True)
+        header = json.loads(metadata["verity"])
+        if _checksum(arrays) != header["sha256"]:
+            raise ValueError("its checksum does not match")
+        for part, layout in header["layout"].items():
+            state = [(kind, tuple(arrays[f"{part}.{i}.{j}"] if present else None for j, present in enumerate(slots)))
+                     for i, (kind, slots) in enumerate(layout)]
+            setattr(snap, part, state)
+
+    def _scan(self) -> None:
+        """Registers the snapshots a previous worker spilled (their headers only; arrays on use)."""
+        for path in sorted(self.dir.iterdir()):
+            if path.name.startswith(".") and path.name.endswith(".tmp"):  # a write that never finished
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != SUFFIX:
+                continue
+            try:
+                header = json.loads(_read_header(path)["verity"])
+                meta = msgspec.convert(header["meta"], m.SnapshotMeta)
+                if path.name != f"{meta.id}{SUFFIX}":
+                    raise ValueError("its name does not match its id")
+                self.snapshots[meta.id] = Snapshot(meta, header["draft_tokens"])
+            except Exception as e:
+                log.warning("dropped spill file %s: %s", path.name, e)
+                path.unlink(missing_ok=True)
+        self.high_water = self.nbytes
+        if self.snapshots:
+            log.info("found %d spilled snapshots (%d bytes) in %s", len(self.snapshots), self.nbytes, self.dir)
+
+
+def _checksum(arrays: dict[str, mx.array]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype}:{a.shape}\n".encode())
+        h.update(memoryview(a))
+    return h.hexdigest()
+
+
+def _read_header(path: Path) -> dict:
+    """A safetensors file's `__metadata__`, without reading its arrays."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 64 << 20:
+            raise ValueError("implausible header length")
+        return json.loads(f.read(n))["__metadata__"]
