@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -46,6 +47,7 @@ class WorkerLink:
         self.runtime_dir = runtime_dir
         self.capacity = max_active + queue_size
         self.max_active = max_active
+        self.pid = os.getpid()
         self.ctx = zmq.asyncio.Context()
         self.requests: dict[str, Tracked] = {}
         self.worker: Optional[m.Ready] = None
@@ -116,7 +118,7 @@ class WorkerLink:
     def admit(self, request_id: str, req: m.GenerateRequest) -> Tracked:
         if len(self.requests) >= self.capacity:
             raise QueueFull()
-        t = Tracked(request_id, m.SubmitRequest(request_id, req), next(self._seq))
+        t = Tracked(request_id, m.SubmitRequest(request_id, req, gateway_pid=self.pid), next(self._seq))
         self.requests[request_id] = t
         if self.ready:
             self._send(t)
@@ -173,6 +175,8 @@ class WorkerLink:
             return
         self.worker = ready
         log.info("worker %d ready (%s); resubmitting %d waiting", ready.pid, ready.model_id, self.waiting_count())
+        # a worker that outlived a previous gateway still runs that gateway's requests: drop them
+        self.control.send(codec.encode(m.DropOrphans(self.pid)))
         for t in sorted(self.requests.values(), key=lambda t: t.seq):
             if t.cancel_requested and not t.started:
                 self._end(t, m.Error(t.id, "cancelled", "the request was cancelled", 503))

@@ -36,7 +36,7 @@ def job_decoder() -> Decoder:
 
 
 def control_decoder() -> Decoder:
-    return Decoder(m.CancelRequest)
+    return Decoder(m.ControlMessage)
 
 
 def worker_out_decoder() -> Decoder:

@@ -64,10 +64,18 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
 class SubmitRequest(Struct, tag=True):
     request_id: str
     request: GenerateRequest  # normalized by protocol.schema (max_tokens resolved, stop a list)
+    gateway_pid: int = 0  # the gateway that admitted it: a restarted gateway disowns the dead one's
 
 
 class CancelRequest(Struct, tag=True):
     request_id: str
+
+
+class DropOrphans(Struct, tag=True):
+    """gateway -> worker, on each worker READY: stop every request that another gateway submitted
+    (a gateway that died, whose clients are gone with it)."""
+
+    gateway_pid: int
 
 
 # ---- handshake and supervision ----
@@ -275,7 +283,7 @@ class CacheReply(Struct, tag=True):
 
 # One union per socket direction: decoders reject anything else.
 JobMessage = SubmitRequest
-ControlMessage = CancelRequest
+ControlMessage = Union[CancelRequest, DropOrphans]
 WorkerOutMessage = Union[Ready, EventBatch]
 SupervisorMessage = Union[Ready, WorkerDown]
 CacheRequest = Union[CacheSync, CacheLookup, CacheStore, CacheDrop, CacheStatsRequest]

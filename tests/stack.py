@@ -34,8 +34,8 @@ async def until(cond: Callable[[], bool], timeout: float, what: str, interval: f
 class Stack(StackProcess):
     """A launch-stack on a free port, keeping its whole log for assertions."""
 
-    def __init__(self, model: str, *args: str, env: Optional[dict] = None, **_):
-        super().__init__(model=model, port=0, extra_args=args, env=env, start_timeout_s=120, tail_lines=100_000)
+    def __init__(self, model: str, *args: str, env: Optional[dict] = None, port: int = 0, **_):
+        super().__init__(model=model, port=port, extra_args=args, env=env, start_timeout_s=120, tail_lines=100_000)
 
     def log(self) -> str:
         return "\n".join(self.tail)

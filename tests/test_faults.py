@@ -328,3 +328,47 @@ async def test_killed_cache_service_fails_no_request(tiny_llama, reliability):
         "succeeds with the same greedy text; the worker is never restarted.",
         requests=len(results), before_kill=count["before"], while_down=count["while down"], after_restart=count["after"],
         failed=len(failed), cache_restarted_after_s=round(restart_s, 2))
+
+
+# ---- the gateway killed ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_killed_gateway_is_restarted_and_its_requests_dropped(tiny_llama, reliability):
+    probe = chat_body("hello world", max_tokens=12, ignore_eos=True)
+    s = Stack(str(tiny_llama), "--max-active", "2", env=SLOW, port=_free_port()).start()
+    with s:
+        status, fresh = await answer(s.url, probe)
+        assert status == 200
+        pids = stack_pids(s.proc.pid)
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=256, ignore_eos=True, stream=True))
+            await read_data_lines(r, 3)
+            t0 = time.monotonic()
+            os.kill(pids["gateway"], signal.SIGKILL)
+            _, clean = await asyncio.wait_for(read_rest(r), 15)
+        assert not clean  # its connection died with the gateway
+        await until(lambda: s.health()[0] == 200 and stack_pids(s.proc.pid).get("gateway") not in (None, pids["gateway"]),
+                    30, "launch-stack to restart the gateway on the same port")
+        back_s = time.monotonic() - t0
+        h = await asyncio.to_thread(s.settled)  # the dead gateway's request no longer runs
+        dropped_s = time.monotonic() - t0
+        assert h["worker_pid"] == pids["worker"] and h["worker"]["active"] == 0
+        assert h["worker"]["requests_total"] == h["worker"]["requests_finished"]
+        status, after = await answer(s.url, probe)
+        assert status == 200 and text_of(after) == text_of(fresh)
+    assert s.exit_code == 0
+    assert "its gateway (pid %d) is gone" % pids["gateway"] in s.log()
+    reliability.record(
+        "faults", "Gateway killed with SIGKILL mid-stream",
+        "A stream in flight when the gateway gets SIGKILL: its connection breaks (the process that would write "
+        "an error event is gone); launch-stack restarts the gateway on the same port, the new gateway tells the "
+        "worker to drop what the dead one had submitted, and the same greedy request gets the same answer. The "
+        "worker keeps running (no model reload).",
+        serving_again_after_s=round(back_s, 2), orphan_dropped_within_s=round(dropped_s, 2),
+        worker_restarted=False, next_answer_equals_before=True)

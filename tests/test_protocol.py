@@ -29,6 +29,8 @@ REQ = parse_request(body(max_tokens=5, stop="x", seed=7, mode="joint", thinking=
 ROUND_TRIPS = [
     (codec.job_decoder, m.SubmitRequest("r1", REQ)),
     (codec.control_decoder, m.CancelRequest("r1")),
+    (codec.control_decoder, m.DropOrphans(gateway_pid=7)),
+    (codec.job_decoder, m.SubmitRequest("r2", REQ, gateway_pid=9)),
     (codec.worker_out_decoder, m.Ready(process="worker", pid=1, model_id="x", cache_identity="c",
                                        context_limit=8, joint_available=True, draft_id="d")),
     (codec.worker_out_decoder, m.EventBatch(3, [m.Queued("r", 2), m.Started("r", 2), m.TextDelta("r", "é😀", [1, 2]),

@@ -41,6 +41,7 @@ class WorkerProc:
         self.ctx = zmq.Context()
         self.runtime_dir = runtime_dir
         self.outbox: queue.Queue = queue.Queue()
+        self.origins: dict[str, int] = {}  # request id -> pid of the gateway that submitted it
         self.stopping = threading.Event()
 
     def _socket(self, kind: int, name: str, bind: bool = False) -> zmq.Socket:
@@ -90,6 +91,9 @@ class WorkerProc:
             events = self.engine.step()
             if events:
                 self.outbox.put(m.EventBatch(self.pid, events))
+                for ev in events:
+                    if isinstance(ev, (m.Finished, m.Error)):
+                        self.origins.pop(ev.request_id, None)
             faults.after_step()
 
     def _jobs_loop(self) -> None:
@@ -105,6 +109,7 @@ class WorkerProc:
             faults.on_job()
             try:
                 n = self.engine.submit(job.request_id, job.request)
+                self.origins[job.request_id] = job.gateway_pid
                 event = m.Queued(job.request_id, n)
                 log.info("[%s] queued: %d prompt tokens", job.request_id, n)
             except RequestError as e:
@@ -122,6 +127,12 @@ class WorkerProc:
                 msg = dec.decode(sock.recv())
             except codec.DecodeError as e:
                 log.error("dropped an undecodable control message: %s", e)
+                continue
+            if isinstance(msg, m.DropOrphans):
+                for rid, gateway in list(self.origins.items()):
+                    if gateway != msg.gateway_pid:
+                        log.info("[%s] cancel: its gateway (pid %d) is gone", rid, gateway)
+                        self.engine.cancel(rid)
                 continue
             log.info("[%s] cancel", msg.request_id)
             self.engine.cancel(msg.request_id)
