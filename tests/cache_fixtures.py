@@ -13,11 +13,9 @@ from typing import Optional
 import zmq
 
 from protocol import codec, messages as m, runtime
-from worker.cache_client import CacheClient
 from worker.engine import Engine, EngineConfig, cache_identity
 from worker.loader import LoadedModel
 from worker.reuse import PrefixCache
-from worker.snapshots import SnapshotStore
 
 READY_TIMEOUT_S = 30
 
@@ -61,10 +59,8 @@ def reuse_engine(lm: LoadedModel, service: CacheServiceProcess, draft: Optional[
     overrides the identity's template (what a changed template does to the identity)."""
     draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
     ident_lm = lm if chat_template is None else LoadedModel(**{**lm.__dict__, "chat_template": chat_template})
-    store = SnapshotStore(str(spill_dir) if spill_dir else None)
-    client = CacheClient(service.endpoint, store)
-    reuse = PrefixCache(cache_identity(ident_lm, draft_id), lm, draft.model if draft else None, client, store)
-    reuse.heartbeat()
+    reuse = PrefixCache.connect(service.endpoint, cache_identity(ident_lm, draft_id), lm, draft.model if draft else None,
+                                str(spill_dir) if spill_dir else None)
     return Engine(lm, EngineConfig(**config), draft, reuse=reuse)
 
 

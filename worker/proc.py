@@ -21,11 +21,9 @@ import zmq
 
 from protocol import codec, messages as m, runtime
 from worker import faults
-from worker.cache_client import CacheClient
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.reuse import PrefixCache
-from worker.snapshots import SnapshotStore
 from worker.spec.state import install_recording
 
 log = logging.getLogger("verity.worker")
@@ -202,11 +200,8 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
     if not all(PrefixCache.supports(x.model) for x in (lm, draft) if x is not None):
         log.warning("this model's cache cannot be snapshotted: serving without prefix reuse")
         return None
-    store = SnapshotStore(args.cache_dir)
-    client = CacheClient(runtime.endpoint(args.runtime_dir, runtime.CACHE), store)
-    reuse = PrefixCache(cache_identity(lm, draft_id), lm, draft.model if draft else None, client, store)
-    reuse.heartbeat()  # first contact: registers what the spill directory holds
-    return reuse
+    return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), cache_identity(lm, draft_id), lm,
+                               draft.model if draft else None, args.cache_dir)
 
 
 def _load_with_progress(spec: str, load=None) -> LoadedModel:

@@ -63,6 +63,14 @@ class PrefixCache:
         self.client, self.store, self.prefill_step = client, store, prefill_step
         self.trimmable = all(trimmable(st.make_cache(x)) for x in (lm.model, draft_model) if x is not None)
 
+    @classmethod
+    def connect(cls, endpoint: str, identity: str, lm, draft_model=None, spill_dir: Optional[str] = None) -> "PrefixCache":
+        """Reuse through the cache service at `endpoint`, spilling to `spill_dir` if given."""
+        store = SnapshotStore(spill_dir)
+        reuse = cls(identity, lm, draft_model, CacheClient(endpoint, store), store)
+        reuse.heartbeat()  # first contact: registers what the spill directory holds
+        return reuse
+
     @staticmethod
     def supports(model) -> bool:
         """Only attention KV and recurrent arrays can be snapshotted (not rotating or quantized KV)."""
