@@ -60,6 +60,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     done: bool = False
+    finished: Optional[m.Finished] = None
     last_token_at: float = 0.0
     plan: Optional[Plan] = None  # prefix reuse (worker/reuse.py)
     finish: str = ""
@@ -237,6 +238,7 @@ class Engine:
             if r in joint:
                 self.scheduler.observe_cycle(r.id, *r.decoder.decoder.last_cycle)
             if r.done:
+                r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
                 self._release(r)
         self.scheduler.observe_round(time.perf_counter() - t0, complete, "" if complete else "prefill or error")
 
@@ -324,7 +326,8 @@ class Engine:
             if tail:
                 events.append(m.TextDelta(r.id, tail, []))
         r.done, r.finish = True, reason
-        events.append(m.Finished(r.id, reason, self._metrics(r)))
+        r.finished = m.Finished(r.id, reason, self._metrics(r))
+        events.append(r.finished)
         return True
 
     def _fail(self, r: _Request, exc: Exception, events: list) -> None:
