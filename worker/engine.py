@@ -63,7 +63,6 @@ class _Request:
     finished: Optional[m.Finished] = None
     last_token_at: float = 0.0
     plan: Optional[Plan] = None  # prefix reuse (worker/reuse.py)
-    finish: str = ""
 
 
 @dataclass
@@ -325,7 +324,7 @@ class Engine:
             tail = text if stopped else text + r.stop.flush()
             if tail:
                 events.append(m.TextDelta(r.id, tail, []))
-        r.done, r.finish = True, reason
+        r.done = True
         r.finished = m.Finished(r.id, reason, self._metrics(r))
         events.append(r.finished)
         return True
@@ -340,7 +339,7 @@ class Engine:
             self._active.remove(r)
         if isinstance(r.decoder, _Joint):
             self.totals.add_joint(r.decoder.decoder.stats)
-        if r.plan is not None and r.finish in ("stop", "length") and r.decoder is not None:
+        if r.plan is not None and r.finished and r.finished.finish_reason in ("stop", "length") and r.decoder is not None:
             self._keep_generation(r)
         if r.decoder is not None:
             r.decoder.close()
