@@ -34,13 +34,15 @@ class RequestInvalid(Exception):
 def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     """JSON bytes -> a checked, normalized GenerateRequest, or RequestInvalid."""
     try:
+        body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
+    except UnicodeDecodeError as e:
+        raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
+    try:
         req = _decoder.decode(body)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise RequestInvalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    except UnicodeDecodeError as e:
-        raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
     return check_request(req, endpoint)
 
 
