@@ -171,7 +171,8 @@ def run_sched(args: argparse.Namespace) -> int:
                 row["batched_vs_unbatched"] = ad / row["unbatched"]
             ratios.append(ad / base)
             figures["rows"].append(row)
-            rows.append((sc.name, str(c), f"{base:.1f}", f"{best:.1f} ({best_k})", f"{ad:.1f}",
+            rows.append((sc.name.replace("embedded, ", "emb. ").replace(" (perturbed draft)", ""), str(c),
+                         f"{base:.1f}", f"{best:.1f} ({best_k})", f"{ad:.1f}",
                          f"{ad / best:.2f}", f"{ad / base:.2f}",
                          f"{row['batched_vs_unbatched']:.2f}" if c > 1 else "–",
                          str(sum(v["mismatching_requests"] for v in res.values()))))
@@ -182,8 +183,8 @@ def run_sched(args: argparse.Namespace) -> int:
     footer = (f"goals: adaptive ≥ {GOAL_VS_FIXED} × best fixed k and ≥ {GOAL_VS_BASELINE} × baseline in every row: "
               f"{'met' if met else 'missed'}; headline ratio (smallest adaptive ÷ baseline) {figures['ratio']:.3f}")
     print_report("verity bench sched (tokens/s, medians)", rows,
-                 ("scenario", "conc.", "baseline", "best fixed", "adaptive", "ad./best", "ad./base",
-                  "batched/seq.", "mismatches"), figures, args.json, footer)
+                 ("scenario", "n", "base", "best k", "adapt", "÷best", "÷base", "batch÷seq", "diff"),
+                 figures, args.json, footer)
     return 0
 
 
