@@ -89,6 +89,30 @@ def test_speculation_switches_off_when_it_does_not_pay():
     assert first["budget"] == 0 and [c["B"] for c in first["candidates"]] == [0]
 
 
+def test_deeper_drafts_are_tried_past_a_costly_first_depth():
+    """Batched verify pads every row to the deepest draft: the first depth costs most, later ones
+    little. Measured only that far, the scheduler still tries one depth deeper (optimistically
+    priced), and a measured deeper depth that pays is then chosen on its own figure."""
+    rates = [[0.9] * 4 for _ in range(4)]
+    measured = {"4,0,0": 0.28, "4,1,1": 0.41, "4,4,1": 0.45}
+    d = decide(rates, 4, measured, 16)
+    assert max(d["allocation"]) == 2 and all(c["D"] <= 2 for c in d["candidates"])
+    deeper = dict(measured, **{"4,8,2": 0.50, "4,12,3": 0.55, "4,16,4": 0.60})
+    assert decide(rates, 4, deeper, 16)["allocation"] == [4, 4, 4, 4]
+    costly = dict(measured, **{"4,8,2": 1.2})
+    assert decide(rates, 4, costly, 16)["budget"] <= 4  # measured: a second depth does not pay
+
+
+def test_untried_positions_borrow_the_previous_position_estimate():
+    good, bad = Scheduler(), Scheduler()
+    for _ in range(20):
+        good.observe_cycle("r", 1, 1)  # only position 1 was ever tried, always accepted
+        bad.observe_cycle("r", 1, 0)
+    g, b = good.acceptance["r"].rates(), bad.acceptance["r"].rates()
+    assert g[0] > 0.9 and g[1] > 0.8 and g[7] > 0.6  # untried, but likely as good as the first
+    assert b[0] < 0.1 and max(b[1:]) < 0.4
+
+
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):
     return load_pair(tmp_path_factory.mktemp("sched"), "llama+llama")

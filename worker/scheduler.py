@@ -35,12 +35,16 @@ def allocate(survival: Sequence[Sequence[float]], budget: int) -> list[int]:
 
 # ---- acceptance ----
 
-PRIOR_ACCEPT, PRIOR_REJECT = 1.0, 1.0  # Beta(1, 1): an untried position is a coin flip
+PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
+FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
 
 
 class Acceptance:
-    """Conditional acceptance per draft position from decayed counts with a Beta prior."""
+    """Conditional acceptance per draft position from decayed counts with a Beta prior whose
+    mean is the previous position's estimate (position 1: 0.5): an untried deeper position is
+    taken to be like the one before it, so a draft that is good at shallow positions gets tried
+    deeper, and a bad one does not."""
 
     def __init__(self, max_positions: int):
         self.accepted = [0.0] * max_positions
@@ -53,7 +57,11 @@ class Acceptance:
             self.tried[j] = self.tried[j] * DECAY + 1
 
     def rates(self) -> list[float]:
-        return [(a + PRIOR_ACCEPT) / (t + PRIOR_ACCEPT + PRIOR_REJECT) for a, t in zip(self.accepted, self.tried)]
+        out, prior = [], FIRST_PRIOR
+        for a, t in zip(self.accepted, self.tried):
+            prior = (a + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
     def seed(self, weight: float = 4.0) -> "Acceptance":
         """A new request's estimate: this one's rates, worth at most `weight` observations per
@@ -82,15 +90,20 @@ class CostModel:
     """A table C(N, B, D) of median round times over a sliding window.
 
     A table, not fitted parts: measured costs are staircases (kernel tiles, cache lines, BLAS
-    paths), and a round's cost is what the scheduler trades against, so it is measured whole.
-    Unmeasured cells are interpolated along B from measured neighbours of the same N (linear,
-    never decreasing); with nothing to interpolate from, a cell beyond the measured range is
-    estimated at the largest measured cost plus that cost per extra token times PRIOR_SLOPE.
+    paths, the first drafted token's padding of every verify row), and a round's cost is what
+    the scheduler trades against, so it is measured whole. Rows of a batched verify are padded to
+    the deepest draft, so D, not B, drives most of a round's cost: an unmeasured cell is
+    interpolated along B among cells of its own (N, D), else along D from the cheapest cell of
+    each measured depth; beyond the deepest measured depth it is extrapolated at the slope between
+    the two deepest drafting depths, or, with one drafting depth measured, optimistically at
+    PRIOR_SLOPE × the plain round's cost per depth (the first depth's jump is mostly the fixed
+    cost of drafting at all), so that a deeper draft gets tried once and then priced by its own
+    measurement.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
     """
 
-    PRIOR_SLOPE = 0.25  # guessed extra cost per drafted token, relative to a plain round
+    PRIOR_SLOPE = 0.25  # guessed extra cost of one more draft depth, relative to a plain round
 
     def __init__(self):
         self.cells: dict[tuple[int, int, int], list[float]] = {}
@@ -123,32 +136,49 @@ class CostModel:
         return {f"{n},{b},{d}": _median(v) for (n, b, d), v in sorted(self.cells.items()) if v}
 
 
+def _cells(table: dict[str, float], n: int) -> list[tuple[int, int, float]]:
+    out = []
+    for key, v in table.items():
+        kn, kb, kd = map(int, key.split(","))
+        if kn == n:
+            out.append((kb, kd, v))
+    return out
+
+
+def _along(points: dict[int, float], x: int) -> float:
+    """Linear between the nearest measured neighbours; the nearest one outside their range."""
+    below = [p for p in points if p <= x]
+    above = [p for p in points if p >= x]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return points[lo] if lo == hi else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return points[min(above)] if above else points[max(below)]
+
+
 def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
     """Cost of a round from a logged table (see CostModel); None when nothing of this N is known."""
     exact = table.get(f"{n},{b},{d}")
     if exact is not None:
         return exact
-    same_n = {}
-    for key, v in table.items():
-        kn, kb, _ = map(int, key.split(","))
-        if kn == n:
-            same_n[kb] = min(v, same_n.get(kb, v))
-    if not same_n:
+    cells = _cells(table, n)
+    if not cells:
         return None
-    below = [x for x in same_n if x < b]
-    above = [x for x in same_n if x > b]
-    if below and above:
-        lo, hi = max(below), min(above)
-        return same_n[lo] + (same_n[hi] - same_n[lo]) * (b - lo) / (hi - lo)
-    if above:
-        return same_n[min(above)]
-    lo = max(below)
-    base = same_n.get(0, same_n[min(same_n)])
-    slope = CostModel.PRIOR_SLOPE * base / max(n, 1)
-    if len(below) >= 2:
-        lo2 = max(x for x in below if x != lo)
-        slope = max(slope, (same_n[lo] - same_n[lo2]) / (lo - lo2))
-    return same_n[lo] + slope * (b - lo)
+    same_d = {kb: v for kb, kd, v in cells if kd == d}
+    if same_d:
+        return _along(same_d, b)
+    by_depth: dict[int, float] = {}
+    for _, kd, v in cells:
+        by_depth[kd] = min(v, by_depth.get(kd, v))
+    deepest = max(by_depth)
+    if d < deepest:
+        return _along(by_depth, d)
+    drafting = sorted(x for x in by_depth if 1 <= x < deepest)
+    if drafting:  # the slope between the two deepest drafting depths (the first depth's jump excluded)
+        prev = drafting[-1]
+        slope = max(0.0, (by_depth[deepest] - by_depth[prev]) / (deepest - prev))
+    else:
+        slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
+    return by_depth[deepest] + slope * (d - deepest)
 
 
 # ---- the decision ----
@@ -159,7 +189,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
-    whose cost cannot be estimated are skipped; B = 0 is always a candidate. With `probe`, a
+    deeper than one past the deepest measured depth, or whose cost cannot be estimated, are
+    skipped; B = 0 is always a candidate. With `probe`, a
     round that would draft nothing drafts one token so acceptance keeps being observed.
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
@@ -167,14 +198,15 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     ranked = rank(surv)
     candidates = []
     gain = float(n_requests)
-    measured = [int(k.split(",")[1]) for k in table if int(k.split(",")[0]) == n_requests]
-    reach = max(measured, default=-1) + 1  # explore one budget past the largest measured one
-    for b in range(0, min(b_max, len(ranked), reach) + 1):
+    reach = max((kd for _, kd, _ in _cells(table, n_requests)), default=-1) + 1  # one depth past the deepest measured
+    for b in range(0, min(b_max, len(ranked)) + 1):
         if b:
             r, j = ranked[b - 1]
             gain += surv[r][j - 1]
         lengths = allocate(surv, b)
         d = max(lengths, default=0)
+        if d > reach:
+            break  # allocations only deepen as B grows
         cost = estimate(table, n_requests, b, d)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
