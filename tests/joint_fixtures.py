@@ -21,7 +21,7 @@ PAIRS = {"llama+llama": ("llama", "llama"), "qwen3_5+qwen3_5": ("qwen3_5", "qwen
          "qwen3_5+llama": ("qwen3_5", "llama")}
 DRAFTS = ("copy", "wrong", "perturbed")
 PERTURB_NOISE = 0.3  # about half the proposals accepted (worker/tiny_models.py)
-K_SCHEDULE = (4, 1, 3, 2, 5)  # budgets per cycle, so every verify width is exercised
+K_SCHEDULE = (4, 0, 0, 1, 3, 0, 2, 5)  # every verify width, and pipelined plain cycles (k = 0) between
 PROMPTS = [
     "the quick brown fox", "hello world", "once upon a time", "one two three four", "tell me a story",
     "what is the capital", "a b c d e f", "the cat sat on the mat", "numbers 12345", "good morning",

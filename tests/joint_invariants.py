@@ -54,7 +54,7 @@ def main(root: Path) -> None:
                     t_ref, d_ref = SequentialReference(pair.target.model), SequentialReference(drafter.model)
 
                     def check(jd):
-                        res["target_mismatches"] += not t_ref.matches(jd.cache, jd.tokens[:-1])
+                        res["target_mismatches"] += not t_ref.matches(jd.cache, jd.consumed)
                         res["draft_mismatches"] += not d_ref.matches(jd.drafter.cache, jd.drafter.consumed)
 
                     _, jd = joint_greedy(pair, drafter, prompt, TOKENS, recovery, on_cycle=check)

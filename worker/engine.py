@@ -78,6 +78,11 @@ class _Totals:
         j = self.joint
         j.cycles, j.drafted, j.accepted = j.cycles + s.cycles, j.drafted + s.drafted, j.accepted + s.accepted
         j.rollbacks, j.recovery_s = j.rollbacks + s.rollbacks, j.recovery_s + s.recovery_s
+        for pos, (a, t) in enumerate(s.accepted_at):
+            if pos == len(j.accepted_at):
+                j.accepted_at.append([0, 0])
+            j.accepted_at[pos][0] += a
+            j.accepted_at[pos][1] += t
 
 
 class _Baseline:
@@ -351,6 +356,7 @@ class Engine:
         generate_step has fed every emitted token (it runs one ahead), the joint path all but the last."""
         if isinstance(r.decoder, _Joint):
             jd = r.decoder.decoder
+            jd.settle()
             self.reuse.keep_generation(r.plan, jd.tokens[:-1], jd.cache, jd.drafter)
         else:
             self.reuse.keep_generation(r.plan, r.prompt + r.tokens, r.decoder.cache)

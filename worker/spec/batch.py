@@ -24,6 +24,8 @@ from worker.spec.joint import JointDecoder
 def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
     """Runs one cycle for each decoder (k from `budgets`); returns each one's emitted tokens.
     Each decoder must then be committed as after JointDecoder.cycle."""
+    for d in decoders:
+        d.settle()
     t0 = time.perf_counter()
     drafts = draft_batch([d.drafter for d in decoders], [d.tokens for d in decoders], budgets,
                          [d.position for d in decoders], decoders)

@@ -3,6 +3,11 @@ forward and stays in control, and both caches are recovered to exactly the consu
 
 Invariant after every commit: the target cache holds every token but the last one (y); the
 draft cache holds a prefix of that (it may lag by the tokens it never consumed).
+
+Cycles of k = 0 (the scheduler drafts nothing) are pipelined as mlx-lm's generate_step is: each
+one also starts the target's forward of the token it returns, so the next one is already being
+computed while the host handles this one. Until `settle()` undoes it (before a drafting cycle, a
+batched round, or a snapshot), the target cache then holds y too.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class JointDecoder:
         self.key_fn = make_key_fn(seed)
         self.stats = CycleStats()
         self._pending: Optional[tuple] = None
+        self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
 
     # ---- start ----
 
@@ -81,12 +87,52 @@ class JointDecoder:
 
         The caller must then `commit(m)` with how many of them it kept (fewer after a stop).
         worker/spec/batch.py drives the same phases for several requests at once."""
+        if k == 0:
+            return self._plain()
+        self.settle()
         t0 = time.perf_counter()
         drafted, qs = self.drafter.propose(self.tokens, k, self.position, self.params, self.key_fn)
         t1 = time.perf_counter()
         ck = self.prepare_verify(k)
         logits = self.target(mx.array([self.tokens[-1]] + drafted)[None], cache=self.cache)[0]
         return self.accept(drafted, qs, logits, ck, t1 - t0, t1)
+
+    def _plain(self) -> list[int]:
+        """A cycle without drafts, pipelined: returns the token in flight and starts the next."""
+        t0 = time.perf_counter()
+        st.set_record(self.cache, False)
+        if self._ahead is None:
+            token = self._next_token(self.tokens[-1])
+        else:
+            token = self._ahead[0]
+        ahead_ck = st.checkpoint(self.cache)  # the cache now holds y: this one does not hold the token
+        self._ahead = (self._next_token(token), ahead_ck)
+        mx.async_eval(self._ahead[0])
+        tok = token.item()
+        self._pending = ([], [tok], None)
+        self.stats.cycles += 1
+        self.stats.verify_s += time.perf_counter() - t0
+        self.last_cycle = (0, 0)
+        return [tok]
+
+    def _next_token(self, y) -> mx.array:
+        """The target's next token after y (lazy), feeding y to the cache."""
+        x = mx.array([[y]]) if isinstance(y, int) else y.reshape(1, 1)
+        logits = self.target(x, cache=self.cache)[0, -1]
+        if self.params.greedy:
+            return mx.argmax(logits)
+        return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn())
+
+    def settle(self) -> None:
+        """Undoes a pending look-ahead: the cache holds every token but the last one again."""
+        if self._ahead is not None:
+            st.restore(self.cache, self._ahead[1])
+            self._ahead = None
+
+    @property
+    def consumed(self) -> list[int]:
+        """The tokens the target cache holds now (with a look-ahead pending, y too)."""
+        return self.tokens if self._ahead is not None else self.tokens[:-1]
 
     @property
     def position(self) -> int:
