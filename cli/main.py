@@ -9,12 +9,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verity")
     sub = p.add_subparsers(dest="command", required=True)
-    from cli import bench, client, monitor, replay
+    from cli import bench, client, distill, monitor, replay
 
     client.add_commands(sub)
     monitor.add_commands(sub)
     bench.add_commands(sub)
     replay.add_commands(sub)
+    distill.add_commands(sub)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     return args.run(args)
 

@@ -81,10 +81,30 @@ class PairingError(ValueError):
 
 
 def load_draft(spec: str, target: LoadedModel) -> LoadedModel:
-    """Loads a draft and checks that its tokenizer agrees with the target's."""
+    """Loads a draft and checks that its tokenizer agrees with the target's. "embedded": the
+    draft distilled from the embedded model (worker/draft/), on the target's embedding."""
+    if spec == EMBEDDED:
+        return _load_embedded_draft(target)
     draft = load_model(spec)
     check_tokenizers_agree(target.tokenizer, draft.tokenizer)
     return draft
+
+
+def _load_embedded_draft(target: LoadedModel) -> LoadedModel:
+    from dataclasses import asdict
+
+    from worker.draft.model import ASSET_DIR, DRAFT_ID, load_embedded_draft
+
+    if not (ASSET_DIR / "model.safetensors").exists():
+        raise PairingError(f"the embedded draft is not built: {ASSET_DIR} has no model.safetensors (run `verity distill`)")
+    meta = json.loads((ASSET_DIR / "config.json").read_text())
+    if meta.get("teacher_revision") != target.revision:
+        raise PairingError(f"the embedded draft was distilled from {meta.get('teacher')}@{meta.get('teacher_revision')}, "
+                           f"not from the served model {target.model_id}@{target.revision}")
+    model = load_embedded_draft(target.model, asdict(target.model.args))
+    return LoadedModel(model=model, tokenizer=target.tokenizer, model_id=DRAFT_ID,
+                       revision=folder_identity(ASSET_DIR), quantization=str(_dtype_of(model)),
+                       context_limit=target.context_limit, chat_template=target.chat_template)
 
 
 def check_tokenizers_agree(target, draft) -> None:
