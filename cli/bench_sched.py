@@ -3,6 +3,8 @@
 In-process engines (worker/engine.py, the code the worker runs), greedy, EOS ignored. Scenarios:
 
 - hybrid: a tiny Qwen3.5 target with a perturbed copy as draft (about half accepted);
+- distilled: SmolLM2-135M (float32) with the draft distilled from it (worker/draft/), its real
+  acceptance; the acceptance per draft position is printed under the table;
 - embedded: SmolLM2-135M (float32) with the controlled-acceptance draft at α = 0.3, 0.6, 0.9
   and with α following 0.9 → 0.2 → 0.9 over the output; a small random llama of the embedded
   vocabulary runs its real forward, so drafting costs what a draft of that size costs.
@@ -112,12 +114,17 @@ def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int) -> d
             tps[name].append(t)
             exact[name] += sum(r != b for r, b in zip(runs, base_runs))
     return {name: {"tokens_per_s": median(v), "mismatching_requests": exact[name],
-                   "acceptance": _acceptance(engines[name])} for name, v in tps.items()}
+                   "acceptance": _acceptance(engines[name]), "per_position": _per_position(engines[name])}
+            for name, v in tps.items()}
 
 
 def _acceptance(engine) -> Optional[float]:
     j = engine.totals.joint
     return j.accepted / j.drafted if j.drafted else None
+
+
+def _per_position(engine) -> list[float]:
+    return [a / t for a, t in engine.totals.joint.accepted_at if t]
 
 
 def _build(args) -> list[Scenario]:
@@ -134,6 +141,11 @@ def _build(args) -> list[Scenario]:
         for lm in (target, draft):
             install_recording(lm.model)
         scenarios.append(Scenario("tiny hybrid (perturbed draft)", target, draft, args.tiny_tokens))
+    if not args.skip_distilled:
+        from worker.loader import load_draft
+
+        target = load_model("embedded")
+        scenarios.append(Scenario("embedded, distilled draft", target, load_draft("embedded", target), args.tokens))
     if not args.skip_embedded:
         target = load_model("embedded")
         dd = build_tiny_model(tmp / "embedded-draft", "llama", seed=3, vocab=len(target.tokenizer), hidden=256, layers=2)
@@ -176,11 +188,15 @@ def run_sched(args: argparse.Namespace) -> int:
                          f"{ad / best:.2f}", f"{ad / base:.2f}",
                          f"{row['batched_vs_unbatched']:.2f}" if c > 1 else "–",
                          str(sum(v["mismatching_requests"] for v in res.values()))))
+    notes = [f"{r['scenario']} ×{r['concurrency']}: acceptance per draft position ({name}): "
+             + " ".join(f"{a:.2f}" for a in r["configs"][name]["per_position"])
+             for r in figures["rows"] if "distilled" in r["scenario"]
+             for name in [max((n for n in r["configs"] if n.startswith("k=")), key=lambda n: int(n[2:]))]]
     figures["ratio"] = min(ratios) if ratios else 0.0
     met = all(r["adaptive_vs_best_fixed"] >= GOAL_VS_FIXED and r["adaptive_vs_baseline"] >= GOAL_VS_BASELINE
               for r in figures["rows"])
     figures["goals_met"] = met
-    footer = (f"goals: adaptive ≥ {GOAL_VS_FIXED} × best fixed k and ≥ {GOAL_VS_BASELINE} × baseline in every row: "
+    footer = "\n".join(notes + [""]) + (f"goals: adaptive ≥ {GOAL_VS_FIXED} × best fixed k and ≥ {GOAL_VS_BASELINE} × baseline in every row: "
               f"{'met' if met else 'missed'}; headline ratio (smallest adaptive ÷ baseline) {figures['ratio']:.3f}")
     print_report("verity bench sched (tokens/s, medians)", rows,
                  ("scenario", "n", "base", "best k", "adapt", "÷best", "÷base", "batch÷seq", "diff"),
@@ -197,7 +213,8 @@ def add_command(benches) -> None:
     p.add_argument("--alphas", type=float, nargs="*", default=None, help=f"controlled acceptance (default {ALPHAS})")
     p.add_argument("--concurrency", type=int, nargs="*", default=None, help="concurrent requests (default 1 4)")
     p.add_argument("--skip-tiny", action="store_true")
-    p.add_argument("--skip-embedded", action="store_true")
+    p.add_argument("--skip-embedded", action="store_true", help="skip the controlled-acceptance rows")
+    p.add_argument("--skip-distilled", action="store_true", help="skip the embedded model with its distilled draft")
     p.add_argument("--quick", action="store_true", help="small settings (for tests)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_sched)

@@ -11,6 +11,8 @@ Groups of rows, each with its own target and reference output:
   resolves their ratio far better than whole runs on a shared machine; the headline is its ratio.
 - hybrid: a tiny Qwen3.5 target (Gated DeltaNet + attention) with a perturbed copy as draft.
   mlx-lm refuses it (its caches cannot be trimmed); the row says so.
+- distilled: SmolLM2-135M (float32) with the draft distilled from it (`verity distill`,
+  worker/draft/), verity against mlx-lm at each k, with acceptance per draft position.
 - embedded: SmolLM2-135M (float32) with the controlled-acceptance draft at several α: a small
   random llama of the same vocabulary runs its real forward (carrying the draft's cost) while
   the target's known greedy continuation is proposed with probability α.
@@ -112,9 +114,23 @@ def _row_figures(g: Group, r: Row, base_tps: float) -> dict:
     if verity and r.k > 0:
         for part in ("draft", "verify", "recovery"):
             shares[f"{part}_share"] = median(getattr(x, f"{part}_s") / c for x, c in zip(r.runs, cycle) if c > 0)
+    at = _per_position(r.runs)
     return {**f, "tps": tps, "tps_runs": [x.tps for x in r.runs], "speedup": tps / base_tps if base_tps else None,
+            "acceptance_per_position": at,
             "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
             **shares, "tokens": len(r.runs[0].tokens), **{"mismatches": 0, **r.exact}}
+
+
+def _per_position(runs: list) -> list[float]:
+    """Conditional acceptance per draft position over all runs of a row (verity rows only)."""
+    acc, tried = [], []
+    for x in runs:
+        for j, (a, t) in enumerate(x.accepted_at):
+            if j == len(acc):
+                acc.append(0)
+                tried.append(0)
+            acc[j], tried[j] = acc[j] + a, tried[j] + t
+    return [a / t for a, t in zip(acc, tried) if t]
 
 
 def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[dict, list, str]:
@@ -143,6 +159,18 @@ def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[d
             rows.append((r.label, r.draft_label, _fmt(f["tps"], ".1f"), _fmt(f["speedup"], ".2f"),
                          _fmt(f["acceptance"], ".2f"), _fmt(f.get("draft_share"), ".0%"),
                          _fmt(f.get("verify_share"), ".0%"), rec, exact))
+        if g.name == "distilled":
+            deepest = max((f for f in all_figs if f["group"] == g.name and f["method"] == "verity joint"
+                           and f.get("acceptance_per_position")), key=lambda f: f["k"], default=None)
+            best = max((f for f in all_figs if f["group"] == g.name and f.get("tps") and f["method"] == "verity joint"),
+                       key=lambda f: f["tps"], default=None)
+            if deepest:
+                notes.append("distilled: acceptance per draft position (verity k="
+                             f"{deepest['k']} {deepest['recovery']}): "
+                             + " ".join(f"{a:.2f}" for a in deepest["acceptance_per_position"]))
+            if best:
+                notes.append(f"distilled: best {best['label']} {best['tps']:.1f} tok/s = {best['speedup']:.2f}× baseline "
+                             f"{base_tps:.1f} (goal ≥ 1.3× with the adaptive scheduler: `verity bench sched`)")
         # the two baselines must agree with each other (both are checked against the reference)
         k0 = next(f for f in all_figs if f["group"] == g.name and f["method"] == "verity k=0")
         spread = [x.tps for x in base.runs]
@@ -259,8 +287,8 @@ def add_command(benches) -> None:
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=None, help=f"draft budgets (default {KS})")
     p.add_argument("--alpha", dest="alphas", type=float, nargs="+", default=None,
                    help=f"controlled-draft acceptance for the embedded rows (default {ALPHAS})")
-    p.add_argument("--groups", nargs="+", default=["llama", "hybrid", "embedded"],
-                   choices=["llama", "hybrid", "embedded"], help="which groups of rows to run")
+    p.add_argument("--groups", nargs="+", default=["llama", "hybrid", "distilled", "embedded"],
+                   choices=["llama", "hybrid", "distilled", "embedded"], help="which groups of rows to run")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     p.set_defaults(run=run_spec)

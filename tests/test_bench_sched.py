@@ -6,7 +6,7 @@ import sys
 
 
 def test_bench_sched_quick():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "sched", "--quick", "--skip-embedded", "--json"],
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "sched", "--quick", "--skip-embedded", "--skip-distilled", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     figures = json.loads(r.stdout.strip().splitlines()[-1])

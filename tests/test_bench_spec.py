@@ -27,7 +27,7 @@ def test_bench_spec_quick_json():
         return [f for f in rows if f["group"] == group and f["method"] == method
                 and all(f.get(key) == v for key, v in kw.items())]
 
-    for group in ("llama", "hybrid", "embedded"):
+    for group in ("llama", "hybrid", "distilled", "embedded"):
         assert len(find(group, "mlx-lm generate_step")) == 1, group
         assert len(find(group, "verity k=0")) == 1, group
         for k in ks:
@@ -37,6 +37,11 @@ def test_bench_spec_quick_json():
     for draft in ("perturbed", "1-layer"):
         for k in ks:
             assert len(find("llama", "mlx-lm speculative", draft=draft, k=k)) == 1, (draft, k)
+    for k in ks:  # the distilled draft is a llama: mlx-lm runs it too
+        assert len(find("distilled", "mlx-lm speculative", draft="distilled", k=k)) == 1, k
+    deepest = find("distilled", "verity joint", k=max(ks), recovery="fast")[0]
+    assert 1 <= len(deepest["acceptance_per_position"]) <= max(ks)
+    assert "distilled: acceptance per draft position" in r.stdout
     assert "trimmable" in find("hybrid", "mlx-lm speculative")[0]["error"]  # mlx-lm refuses the hybrid
 
     timed = [f for f in rows if "tps" in f]

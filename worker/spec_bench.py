@@ -37,6 +37,7 @@ class Run:
     draft_s: float = 0.0
     verify_s: float = 0.0
     recovery_s: float = 0.0
+    accepted_at: list = field(default_factory=list)  # per draft position: [accepted, tried]
 
 
 @dataclass
@@ -139,7 +140,8 @@ def verity_joint(model, make_drafter: Callable[[str], object], prompt: list[int]
             out += emitted[:keep]
         dt = time.perf_counter() - t0
         s = jd.stats
-        return Run(out, _rate(n - 1, dt), s.drafted, s.accepted, s.draft_s, s.verify_s, s.recovery_s)
+        return Run(out, _rate(n - 1, dt), s.drafted, s.accepted, s.draft_s, s.verify_s, s.recovery_s,
+                   [list(x) for x in s.accepted_at])
 
     return run
 
@@ -188,10 +190,11 @@ def _prompt(lm, text: str) -> list[int]:
     return render_prompt(lm.tokenizer, GenerateRequest(messages=[Message(role="user", content=text)]))
 
 
-def _params_m(lm) -> float:
+def _params_m(lm, own: bool = False) -> float:
+    """Millions of parameters; own: without a shared embedding."""
     from mlx.utils import tree_flatten
 
-    return sum(p.size for _, p in tree_flatten(lm.model.parameters())) / 1e6
+    return sum(p.size for k, p in tree_flatten(lm.model.parameters()) if not (own and "embed_tokens" in k)) / 1e6
 
 
 def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], None]) -> list[Group]:
@@ -249,6 +252,19 @@ def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], No
         joint_and_spec(g, "perturbed", perturbed.model, False)
         g.rows.append(Row(g.name, "mlx-lm speculative", "perturbed", 0, None, None, None,
                           error=_mlx_refusal(target.model, perturbed.model, g.prompt)))
+        groups.append(g)
+
+    if "distilled" in s.groups:
+        progress("loading the embedded model and its distilled draft …")
+        from worker.loader import load_draft
+
+        target = load_model("embedded")
+        draft = load_draft("embedded", target)
+        g = Group("distilled", f"distilled: {target.model_id} ({target.quantization}) with its draft distilled here "
+                  f"({draft.model_id}@{draft.revision}, {_params_m(draft, own=True):.1f} M own params)",
+                  _prompt(target, s.prompt), s.tokens, target, [])
+        baselines(g, draft.model)
+        joint_and_spec(g, "distilled", draft.model, True)
         groups.append(g)
 
     if "embedded" in s.groups:
