@@ -129,6 +129,20 @@ def plain_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
     return (n - 1) / (time.perf_counter() - t_first), out
 
 
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """The target's greedy tokens as the joint path computes them (argmax of raw logits, one
+    token a forward). mlx-lm's generate_step takes the argmax of bfloat16 log-probabilities, whose
+    coarse rounding ties and flips near-equal tokens of a random-weight model: a reference from it
+    would make the controlled draft's "right" tokens wrong ones."""
+    cache = st.make_cache(model)
+    st.prefill(model, cache, prompt[:-1])
+    out, y = [], prompt[-1]
+    for _ in range(n):
+        y = mx.argmax(model(mx.array([[y]]), cache=cache)[0, -1]).item()
+        out.append(y)
+    return out
+
+
 @dataclass
 class JointRun:
     tokens_per_s: float
@@ -140,11 +154,45 @@ class JointRun:
     tokens: list = field(default_factory=list)
 
 
+class ForcedDrafter(ControlledDrafter):
+    """The controlled draft, remembering which of its proposals it meant to be right."""
+
+    def propose(self, context, k, position, params, key_fn):
+        self.meant_right: list[bool] = []
+        return super().propose(context, k, position, params, key_fn)
+
+    def choose(self, logits, position, params, key_fn):
+        tok, q = super().choose(logits, position, params, key_fn)
+        ref = self.reference[position] if position < len(self.reference) else 0
+        self.meant_right.append(tok.item() == ref)
+        return tok, q
+
+
+class ForcedDecoder(JointDecoder):
+    """Bench only, never served: the verify forward runs as always, but acceptance follows the
+    draft's intent (every proposal it meant to be right, up to the first it meant to be wrong),
+    so a run has acceptance α by construction. Random bf16 weights put near-ties everywhere, and
+    a verify of several tokens flips some that one-token decoding does not: a draft proposing a
+    fixed reference would then be wrong ever after, and α would not be what is measured. The
+    costs (draft steps, verify width, recovery of n accepted) are those of real acceptance."""
+
+    def decide(self, drafted, qs, logits):
+        flags = self.drafter.meant_right[: len(drafted)] if drafted else []
+        n = next((i for i, right in enumerate(flags) if not right), len(flags))
+        return n, mx.argmax(logits[n]).item()
+
+
 def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: Callable[[int], float],
-                 n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None) -> JointRun:
-    """Greedy joint decoding with the controlled-acceptance draft; k=None: the adaptive scheduler."""
-    drafter = ControlledDrafter(draft, reference, alpha, vocab, recovery=recovery)
-    jd = JointDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
+                 n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None,
+                 forced: bool = False) -> JointRun:
+    """Greedy joint decoding with the controlled-acceptance draft; k=None: the adaptive scheduler.
+    forced: acceptance by the draft's intent (ForcedDecoder)."""
+    if forced:
+        drafter = ForcedDrafter(draft, reference, alpha, vocab, recovery=recovery)
+        jd = ForcedDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
+    else:
+        drafter = ControlledDrafter(draft, reference, alpha, vocab, recovery=recovery)
+        jd = JointDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
     out = [jd.start()]
     mx.synchronize()
     sched = scheduler or Scheduler(fixed=k)

@@ -6,6 +6,7 @@ Pure Python, no MLX: the web UI's allocation view and the tests use the same fun
 from __future__ import annotations
 
 import json
+import math
 from typing import Sequence
 
 
@@ -77,7 +78,8 @@ class Acceptance:
 
 WINDOW = 32  # measurements per cell
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
-PROBE_EVERY = 16  # with speculation off, try one drafted token this often (acceptance drifts)
+PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
+PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -219,6 +221,15 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
 
 
+def probe_interval(table: dict[str, float], n_requests: int) -> int:
+    """Plain rounds between probes: PROBE_EVERY, or more where a probe round costs much more than
+    a plain one (on a GPU where drafting is launch-bound, a probe can cost 5× a plain step)."""
+    plain, probe = estimate(table, n_requests, 0, 0), estimate(table, n_requests, 1, 1)
+    if not plain or probe is None or probe <= plain:
+        return PROBE_EVERY
+    return max(PROBE_EVERY, math.ceil((probe - plain) / (PROBE_SHARE * plain)))
+
+
 # ---- the scheduler the engine runs ----
 
 POSITIONS = 8  # deepest draft of one request
@@ -246,8 +257,8 @@ class Scheduler:
             lengths = [self.fixed] * len(joint_ids)
         else:
             rates = [self._acceptance(i).rates() for i in joint_ids]
-            probe = self.rounds_without_draft >= PROBE_EVERY
             table = self.cost.table()
+            probe = self.rounds_without_draft >= probe_interval(table, n_requests)
             d = decide(rates, n_requests, table, self.b_max, probe)
             lengths = d["allocation"]
             if self._log:

@@ -147,10 +147,7 @@ class JointDecoder:
     def accept(self, drafted: list[int], qs: list, logits: mx.array, ck: Optional[st.Checkpoint],
                draft_s: float, verify_start: float) -> list[int]:
         """Accepts from the verify logits of [y, d1..dk] and holds the cycle for commit()."""
-        if self.params.greedy:
-            n, own = accept_greedy(drafted, logits)
-        else:
-            n, own = accept_sampled(drafted, qs, logits, self.params, self.key_fn)
+        n, own = self.decide(drafted, qs, logits)
         k = len(drafted)
         emitted = drafted[:n] + [own]
         self._pending = (drafted, emitted, ck)
@@ -163,6 +160,12 @@ class JointDecoder:
         s.record_acceptance(k, n)
         self.last_cycle = (k, n)
         return emitted
+
+    def decide(self, drafted: list[int], qs: list, logits: mx.array) -> tuple[int, int]:
+        """(drafts accepted, the target's own next token)."""
+        if self.params.greedy:
+            return accept_greedy(drafted, logits)
+        return accept_sampled(drafted, qs, logits, self.params, self.key_fn)
 
     def commit(self, m: int) -> None:
         """Keeps the first m emitted tokens and recovers both caches to exactly that prefix."""
