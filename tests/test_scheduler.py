@@ -14,7 +14,7 @@ import pytest
 from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
-from worker.scheduler import CostModel, Scheduler, allocate, decide, rank, survivals
+from worker.scheduler import PROBE_EVERY, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -111,6 +111,19 @@ def test_untried_positions_borrow_the_previous_position_estimate():
     g, b = good.acceptance["r"].rates(), bad.acceptance["r"].rates()
     assert g[0] > 0.9 and g[1] > 0.8 and g[7] > 0.6  # untried, but likely as good as the first
     assert b[0] < 0.1 and max(b[1:]) < 0.4
+
+
+def test_probes_are_rarer_where_a_probe_costs_much_more_than_plain():
+    assert probe_interval({}, 1) == PROBE_EVERY
+    assert probe_interval({"1,0,0": 0.10, "1,1,1": 0.115}, 1) == PROBE_EVERY  # CPU: drafting is cheap
+    gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
+    assert probe_interval(gpu, 1) == 228  # (0.050 - 0.009) / (2% of 0.009), rounded up
+    s = Scheduler()
+    s.cost.cells = {(1, 0, 0): [0.009] * 5, (1, 1, 1): [0.050] * 5}
+    for _ in range(100):
+        s.observe_cycle("r", 1, 0)
+    budgets = [s.plan(["r"], 1)[0] for _ in range(300)]
+    assert sum(budgets) == 1 and budgets.index(1) == 228
 
 
 @pytest.fixture(scope="module")
