@@ -55,7 +55,8 @@ class Child:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = ArgumentParser(prog="launch-stack", description="Serve one MLX model: worker + gateway.")
     p.add_argument("--model", default="embedded", help="'embedded' (SmolLM2-135M-Instruct), a local MLX folder or a Hugging Face id")
-    p.add_argument("--draft", default=None, help="a draft model for joint mode (same tokenizer as the target)")
+    p.add_argument("--draft", default=None, help="a draft model for joint mode (same tokenizer as the target); "
+                   "'embedded': the draft distilled from the embedded model")
     p.add_argument("--draft-budget", type=int, default=None,
                    help="fix the tokens drafted per joint cycle (default: the adaptive scheduler)")
     p.add_argument("--decision-log", default=None, help="write every scheduler decision here (JSON lines; see verity replay)")
