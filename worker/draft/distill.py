@@ -129,7 +129,8 @@ def _generate_batch(model, prompts: list[list[int]], temp: float, r: Recipe, eos
 
 
 def _pack(rows: list[dict]) -> dict:
-    """Rows as flat arrays (no pickle): tokens of prompt+continuation, lengths, the teacher's top-K."""
+    """Rows as flat numeric arrays (read back with allow_pickle=False): tokens of prompt+continuation,
+    lengths, the teacher's top-K."""
     return {
         "tokens": np.array([t for r in rows for t in r["prompt"] + r["tokens"]], dtype=np.int32),
         "prompt_len": np.array([len(r["prompt"]) for r in rows], dtype=np.int32),
