@@ -103,6 +103,14 @@ def test_deeper_drafts_are_tried_past_a_costly_first_depth():
     assert decide(rates, 4, costly, 16)["budget"] <= 4  # measured: a second depth does not pay
 
 
+def test_a_shrinking_batch_starts_from_what_the_larger_one_measured():
+    table = {"4,0,0": 0.28, "4,4,1": 0.40, "4,16,4": 0.60, "3,0,0": 0.21}
+    d = decide([[0.9] * 4 for _ in range(3)], 3, table, 16)
+    assert d["allocation"] == [4, 4, 4]  # depth 4 at once, priced 0.60 × 0.21 / 0.28
+    assert any(c["D"] == 4 and abs(c["cost"] - 0.45) < 1e-9 for c in d["candidates"])
+    assert decide([[0.9] * 4 for _ in range(3)], 3, {"4,0,0": 0.28, "4,16,4": 0.60}, 16)["budget"] == 0  # 3 unmeasured
+
+
 def test_untried_positions_borrow_the_previous_position_estimate():
     good, bad = Scheduler(), Scheduler()
     for _ in range(20):

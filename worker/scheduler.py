@@ -96,7 +96,8 @@ class CostModel:
     the scheduler trades against, so it is measured whole. Rows of a batched verify are padded to
     the deepest draft, so D, not B, drives most of a round's cost: an unmeasured cell is
     interpolated along B among cells of its own (N, D), else along D from the cheapest cell of
-    each measured depth; beyond the deepest measured depth it is extrapolated at the slope between
+    each measured depth; beyond the deepest measured depth it is taken from the nearest other N
+    that measured it, scaled by the two plain rounds' ratio, else extrapolated at the slope between
     the two deepest drafting depths, or, with one drafting depth measured, optimistically at
     PRIOR_SLOPE × the plain round's cost per depth (the first depth's jump is mostly the fixed
     cost of drafting at all), so that a deeper draft gets tried once and then priced by its own
@@ -157,6 +158,34 @@ def _along(points: dict[int, float], x: int) -> float:
     return points[min(above)] if above else points[max(below)]
 
 
+def _from_other_n(table: dict[str, float], n: int, d: int) -> float | None:
+    """Depth d as measured (or interpolated between measured depths) with the nearest other number
+    of requests, scaled by the ratio of the two plain rounds: the tail of a batch (N falling as
+    requests end) need not explore anew."""
+    plain = table.get(f"{n},0,0")
+    if plain is None:
+        return None
+    others = sorted({int(k.split(",")[0]) for k in table} - {n}, key=lambda x: (abs(x - n), x))
+    for other in others:
+        base = table.get(f"{other},0,0")
+        by_depth: dict[int, float] = {}
+        for _, kd, v in _cells(table, other):
+            by_depth[kd] = min(v, by_depth.get(kd, v))
+        if base and max(by_depth) >= d:
+            return _along(by_depth, d) * plain / base
+    return None
+
+
+def _reach(table: dict[str, float], n: int) -> int:
+    """The deepest depth a decision may choose: one past the deepest measured with these N
+    requests, or the deepest measured with another N when both plain rounds are known."""
+    own = max((kd for _, kd, _ in _cells(table, n)), default=-1) + 1
+    if f"{n},0,0" not in table:
+        return own
+    shared = [int(k.split(",")[2]) for k in table if f"{k.split(',')[0]},0,0" in table]
+    return max([own] + shared)
+
+
 def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
     """Cost of a round from a logged table (see CostModel); None when nothing of this N is known."""
     exact = table.get(f"{n},{b},{d}")
@@ -174,6 +203,8 @@ def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
     deepest = max(by_depth)
     if d < deepest:
         return _along(by_depth, d)
+    if d > deepest and (scaled := _from_other_n(table, n, d)) is not None:
+        return scaled
     drafting = sorted(x for x in by_depth if 1 <= x < deepest)
     if drafting:  # the slope between the two deepest drafting depths (the first depth's jump excluded)
         prev = drafting[-1]
@@ -200,7 +231,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     ranked = rank(surv)
     candidates = []
     gain = float(n_requests)
-    reach = max((kd for _, kd, _ in _cells(table, n_requests)), default=-1) + 1  # one depth past the deepest measured
+    reach = _reach(table, n_requests)
     for b in range(0, min(b_max, len(ranked)) + 1):
         if b:
             r, j = ranked[b - 1]
