@@ -7,13 +7,53 @@ import sys
 
 def test_bench_gpu_small():
     r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "gpu", "--small", "--dtype", "fp32", "--tokens", "12",
-                        "--repeats", "1", "--alphas", "0.8", "--ks", "1", "2", "--json"],
+                        "--repeats", "1", "--alphas", "0.8", "--ks", "0", "1", "2", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     fig = json.loads(r.stdout.strip().splitlines()[-1])
     assert fig["small"] and fig["plain_tps"] > 0 and fig["roofline_tps"] > 0
-    assert set(fig["target_forward_ms"]) == {"1", "2", "4", "8", "16"} and fig["draft_step_ms"] > 0
+    assert set(fig["target_forward_ms"]) == {"1", "2", "4", "8", "16"}
+    for figure in ("draft_step_ms", "draft_chain_step_ms", "plain_tps_by_mode"):  # eager and compiled, side by side
+        assert set(fig[figure]) == {"eager", "fused"} and min(fig[figure].values()) > 0
+    assert fig["mode"] == "eager" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
     configs = {(j["recovery"], j["config"]) for j in fig["joint"]}
-    assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=1", "k=2", "adaptive")}
+    assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")}
+    assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size
     assert all(0 <= j["acceptance"] <= 1 and j["tps"] > 0 for j in fig["joint"])
     assert fig["ratio"] > 0 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
+
+
+def test_fused_layers_compute_what_eager_layers_compute():
+    """Compiled Gated-DeltaNet layers: the same logits as mlx-lm's (float32, CPU) for one-token
+    steps, a recorded verify window and a recovery from it; and greedy joint decoding with both
+    models compiled equals the compiled target's own greedy tokens."""
+    import mlx.core as mx
+
+    from worker import gpu_bench as gb
+    from worker.spec import state as st
+    from worker.spec.fused import FusedDecoderLayer, set_fused
+
+    cfg = dict(gb.DRAFT_08B, **gb.SMALL)
+    eager, fused = gb.build(cfg, mx.float32, seed=3), gb.build(cfg, mx.float32, seed=3)
+    assert set_fused(fused) == 3 and isinstance(fused.layers[0], FusedDecoderLayer)
+    ce, cf = st.make_cache(eager), st.make_cache(fused)
+    prompt = mx.array([list(range(1, 40))])
+    assert mx.array_equal(eager(prompt, cache=ce), fused(prompt, cache=cf))  # long inputs stay eager
+    for tok in (5, 17, 3):
+        x = mx.array([[tok]])
+        assert mx.allclose(eager(x, cache=ce), fused(x, cache=cf), atol=1e-5)
+    st.set_record(ce, True)
+    st.set_record(cf, True)
+    window = mx.array([[5, 9, 11, 2]])
+    assert mx.allclose(eager(window, cache=ce), fused(window, cache=cf), atol=1e-5)
+    st.keep_recorded(ce, 4, 2)
+    st.keep_recorded(cf, 4, 2)
+    assert mx.allclose(eager(mx.array([[7]]), cache=ce), fused(mx.array([[7]]), cache=cf), atol=1e-5)
+
+    target = gb.build(dict(gb.TARGET_9B, **gb.SMALL), mx.float32, seed=0)
+    set_fused(target)
+    prompt = list(range(1, 17))
+    reference = gb.greedy_reference(target, prompt, 24)
+    for recovery in ("fast", "replay"):
+        run = gb.joint_decode(target, fused, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
+        assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24

@@ -214,3 +214,15 @@ def test_rejection_sampling_end_to_end_matches_baseline(pairs):
     df = len(a) - 1
     critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty, p = 0.001
     assert df >= 3 and chi2 < critical, (chi2, df, critical)
+
+
+def test_draft_catch_up_pieces_are_powers_of_two():
+    """A draft that lags after plain cycles catches up in few distinct input lengths (each new one
+    compiles kernels on a GPU): binary pieces, largest first, capped."""
+    from worker.spec.draft import pow2_pieces
+
+    assert pow2_pieces(13) == [8, 4, 1] and pow2_pieces(1) == [1] and pow2_pieces(0) == []
+    assert pow2_pieces(1100, most=512) == [512, 512, 64, 8, 4]
+    for n in range(1, 300):
+        p = pow2_pieces(n)
+        assert sum(p) == n and p == sorted(p, reverse=True) and all(x & (x - 1) == 0 for x in p)

@@ -119,6 +119,24 @@ def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, recor
     return median_time(trimmed, reps)
 
 
+def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10) -> float:
+    """Seconds per step of k greedy one-token steps chained on the device (each step's argmax is
+    the next input, one evaluation at the end), as a greedy draft proposes."""
+    cache = st.make_cache(model)
+    mx.eval(model(mx.array([list(range(1, context + 1))]), cache=cache))
+
+    def chain():
+        ck, x, out = st.checkpoint(cache), mx.array([[7]]), []
+        for _ in range(k):
+            x = mx.argmax(model(x, cache=cache)[:, -1:], axis=-1)
+            out.append(x)
+        mx.eval(out)
+        st.restore(cache, ck)
+        return out
+
+    return median_time(chain, reps) / k
+
+
 def plain_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
     """mlx-lm's generate_step, greedy: (decode tokens/s after the first token, the tokens)."""
     out, t_first = [], 0.0
@@ -161,11 +179,10 @@ class ForcedDrafter(ControlledDrafter):
         self.meant_right: list[bool] = []
         return super().propose(context, k, position, params, key_fn)
 
-    def choose(self, logits, position, params, key_fn):
-        tok, q = super().choose(logits, position, params, key_fn)
-        ref = self.reference[position] if position < len(self.reference) else 0
-        self.meant_right.append(tok.item() == ref)
-        return tok, q
+    def pick(self, position):
+        tok = super().pick(position)
+        self.meant_right.append(tok == (self.reference[position] if position < len(self.reference) else 0))
+        return tok
 
 
 class ForcedDecoder(JointDecoder):

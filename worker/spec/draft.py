@@ -49,12 +49,17 @@ class Drafter:
         self._base = (base, st.checkpoint(self.cache)) if self.recovery == "replay" else None
         self._steps = []
         tokens, probs = [], []
-        x = mx.array(feed)
+        done = 0
+        for n in pow2_pieces(len(feed))[:-1]:  # catch-up in few distinct shapes (each new one compiles on a GPU)
+            self.model(mx.array(feed[done: done + n])[None], cache=self.cache)
+            done += n
+        x = mx.array(feed[done:])
         for j in range(k):
             logits = self.model(x[None], cache=self.cache)[0, -1]
             if self.recovery == "fast":
                 self._steps.append((base + len(feed) + j, st.checkpoint(self.cache)))
             x, q = self.choose(logits, position + j, params, key_fn)
+            mx.async_eval(x)  # the device runs this step while the host builds the next
             tokens.append(x)
             probs.append(q)
         drafted = mx.concatenate(tokens).tolist()
@@ -86,6 +91,16 @@ class Drafter:
         self.consumed = self.consumed[:keep]
 
 
+def pow2_pieces(n: int, most: int = 512) -> list[int]:
+    """n as powers of two, largest first (at most `most` each): 13 -> [8, 4, 1]."""
+    out = []
+    while n > 0:
+        p = min(most, 1 << (n.bit_length() - 1))
+        out.append(p)
+        n -= p
+    return out
+
+
 def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     """Length of the common prefix of a and b, known to be at least `start`."""
     n = min(len(a), len(b))
@@ -107,7 +122,9 @@ class ControlledDrafter(Drafter):
         self.rng = random.Random(seed)
 
     def choose(self, logits, position, params, key_fn):
-        mx.eval(logits)  # the forward must really run
+        # the token depends on the logits, so the forward really runs, lazily, as a real draft's would
+        return mx.depends(mx.array([self.pick(position)]), logits), None
+
+    def pick(self, position: int) -> int:
         ref = self.reference[position] if position < len(self.reference) else 0
-        tok = ref if self.rng.random() < self.alpha(position) else (ref + 1) % self.vocab_size
-        return mx.array([tok]), None
+        return ref if self.rng.random() < self.alpha(position) else (ref + 1) % self.vocab_size

@@ -80,11 +80,15 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
 def _recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
     """gated_delta_ops (mlx-lm's per-token loop, the same ops), keeping every state."""
-    beta, g = mx.sigmoid(b), compute_g(A_log, a, dt_bias)
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
     if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+        B, _, _, Dk = q.shape
+        state = mx.zeros((B, *v.shape[-2:], Dk), dtype=mx.float32)
+    return step_states(q, k, v, mx.sigmoid(b), compute_g(A_log, a, dt_bias), state, mask)
+
+
+def step_states(q, k, v, beta, g, state, mask=None):
+    """The recurrence one token at a time: (outputs [B, T, Hv, Dv], the state after each token)."""
+    T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
     if (r := Hv // Hk) > 1:
         q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
     ys, states = [], []
