@@ -221,7 +221,11 @@ class Engine:
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active))):
             r.decoder.budget = k
-        complete = all(r.decoder.started for r in self._active)  # a prefill is no decode round
+        # a prefill is no decode round; nor is a draft's first cycle (it prefills the draft then)
+        reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
+        if any(r.decoder.budget and r.decoder.decoder.draft_lacks_prompt for r in joint):
+            reason = "draft prefill"
+        complete = not reason
         t0 = time.perf_counter()
         batching = self.config.batch_verify and len(joint) > 1
         batched = self._batched_cycles(joint, events) if batching else {}
@@ -244,7 +248,7 @@ class Engine:
             if r.done:
                 r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
                 self._release(r)
-        self.scheduler.observe_round(time.perf_counter() - t0, complete, "" if complete else "prefill or error")
+        self.scheduler.observe_round(time.perf_counter() - t0, complete, reason or ("" if complete else "prefill or error"))
 
     def _batched_cycles(self, joint: list, events: list) -> dict[str, list[int]]:
         """One cycle for every started joint request in batched forwards; {id: emitted tokens}."""

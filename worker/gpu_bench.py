@@ -216,12 +216,13 @@ def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: 
     t0 = time.perf_counter()
     while len(out) < n:
         budget = sched.plan(["r"], 1)[0]
+        first_draft = budget > 0 and jd.draft_lacks_prompt  # this cycle prefills the draft: not a cost sample
         t = time.perf_counter()
         emitted = jd.cycle(budget)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
         sched.observe_cycle("r", *jd.last_cycle)
-        sched.observe_round(time.perf_counter() - t, complete=True)
+        sched.observe_round(time.perf_counter() - t, complete=not first_draft, reason="draft prefill" * first_draft)
         out += emitted[:keep]
     wall = time.perf_counter() - t0
     s = jd.stats

@@ -97,6 +97,9 @@ def _split_recorded(c: st.RecordingArraysCache, i: int, n: int) -> st.RecordingA
 # ---- the drafts ----
 
 
+MAX_BATCHED_FEED = 4  # a draft lagging more catches up alone first (the batch pads every row to the longest feed)
+
+
 def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: list[int], positions: list[int],
                 decoders: list[JointDecoder]) -> list[tuple[list[int], list]]:
     """Proposes budgets[i] tokens for each drafter with batched draft forwards (requests with a
@@ -111,6 +114,9 @@ def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: lis
         return out
     ds = [drafters[i] for i in rows]
     ks = [budgets[i] for i in rows]
+    for i, d in zip(rows, ds):
+        if len(contexts[i]) - len(d.consumed) > MAX_BATCHED_FEED:  # e.g. a draft not yet prefilled
+            d.catch_up(contexts[i])
     feeds = [contexts[i][len(d.consumed):] for i, d in zip(rows, ds)]
     bases = [len(d.consumed) for d in ds]
     before = [st.checkpoint(d.cache) for d in ds]  # merge copies: these stay valid

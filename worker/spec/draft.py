@@ -35,6 +35,14 @@ class Drafter:
         st.prefill(self.model, self.cache, tokens, self.prefill_step)
         self.consumed += tokens
 
+    def catch_up(self, context: list[int], keep: int = 1) -> None:
+        """Feeds what the draft lacks of `context` but its last `keep` tokens (before a batched
+        draft forward, so one lagging draft does not pad every row to its lag)."""
+        lag = context[len(self.consumed): len(context) - keep]
+        if lag:
+            self.prefill(lag)
+            self._agreed = len(self.consumed)
+
     def propose(self, context: list[int], k: int, position: int, params: SamplingParams,
                 key_fn: Callable[[], mx.array]) -> tuple[list[int], list[Optional[mx.array]]]:
         """Proposes k tokens after `context` (the target's tokens; the draft feeds what it lacks).

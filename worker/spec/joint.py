@@ -66,12 +66,13 @@ class JointDecoder:
     # ---- start ----
 
     def start(self) -> int:
-        """Prefills target and draft with the prompt; returns the first token (the target's)."""
+        """Prefills the target with the prompt; returns the first token (the target's). The draft
+        catches up at its first drafting cycle: a request the scheduler never drafts for never
+        pays the draft's prefill."""
         prompt = self.tokens
         st.prefill(self.target, self.cache, prompt[self.cached : -1], self.prefill_step)
         logits = self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1]
         y = self._sample(logits)
-        self.drafter.prefill(prompt[len(self.drafter.consumed) :])
         self.tokens.append(y)
         return y
 
@@ -133,6 +134,11 @@ class JointDecoder:
     def consumed(self) -> list[int]:
         """The tokens the target cache holds now (with a look-ahead pending, y too)."""
         return self.tokens if self._ahead is not None else self.tokens[:-1]
+
+    @property
+    def draft_lacks_prompt(self) -> bool:
+        """The draft has not consumed the whole prompt yet (it has not drafted for this request)."""
+        return len(self.drafter.consumed) < self.prompt_len
 
     @property
     def position(self) -> int:
