@@ -226,3 +226,28 @@ def test_draft_catch_up_pieces_are_powers_of_two():
     for n in range(1, 300):
         p = pow2_pieces(n)
         assert sum(p) == n and p == sorted(p, reverse=True) and all(x & (x - 1) == 0 for x in p)
+
+
+def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
+    """k = 0 throughout: the draft never consumes the prompt. The first drafting round prefills
+    it and is recorded apart as "draft prefill" (not a cost sample). (Exactness with the lazy
+    prefill: every test above runs with it.)"""
+    pair = pairs["qwen3_5+qwen3_5"]
+    req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=12, temperature=0.0,
+                            mode="joint", ignore_eos=True)
+    plain = Engine(pair.target, EngineConfig(draft_budget=0), pair.drafts["perturbed"])
+    plain.submit("a", req)
+    plain.step()  # admits and prefills the target: the first token
+    plain.step()
+    jd = plain._active[0].decoder.decoder
+    assert jd.draft_lacks_prompt and jd.drafter.consumed == []
+    while plain.has_work():
+        plain.step()
+
+    eng = Engine(pair.target, EngineConfig(draft_budget=2), pair.drafts["perturbed"])
+    eng.submit("b", req)
+    out = []
+    while eng.has_work():
+        out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
+    reasons = [r for *_, r in eng.scheduler.cost.set_apart]
+    assert reasons.count("draft prefill") == 1 and len(out) == 12
