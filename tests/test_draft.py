@@ -52,7 +52,29 @@ def test_shipped_draft_is_small_and_shares_the_target_embedding(pair):
     assert not train & set(d.read_prompts(d.HELDOUT_PROMPTS))  # held-out means never trained on
 
 
-MIN_HELDOUT_FIRST = 0.25  # what the shipped draft keeps (it measures 0.31-0.33); the issue's goal, 0.5, is not met
+HELDOUT_TEMPLATES = ("Tell me about ", "Write a paragraph describing ", "What do most people not know about ",
+                     "Write a children's story featuring ", "Explain the science behind ",
+                     "Give me a fun fact and a question about ")
+
+
+def test_training_prompts_are_the_committed_generator_output_and_avoid_heldout():
+    """train_prompts.txt is what worker/draft/prompts.py draws; no held-out template or topic is in it."""
+    from worker.draft import prompts
+
+    assert d.read_prompts(d.TRAIN_PROMPTS) == prompts.build() and len(set(prompts.build())) == prompts.COUNT
+    held = d.read_prompts(d.HELDOUT_PROMPTS)
+    topics = [next(p[len(t):].rstrip(".?") for t in HELDOUT_TEMPLATES if p.startswith(t)) for p in held]
+    for template in prompts.TEMPLATES:
+        assert not any(template.startswith(t) for t in HELDOUT_TEMPLATES), template
+    words = {w for topic in prompts.TOPICS for w in topic.lower().split()}
+    for topic in topics:  # a held-out topic is never a training topic, nor inside one
+        core = topic.lower().removeprefix("the ").removeprefix("a ")
+        assert not any(core == t.lower().removeprefix("the ").removeprefix("a ") or f" {core}" in f" {t.lower()}"
+                       for t in prompts.TOPICS), topic
+        assert core not in words, topic
+
+
+MIN_HELDOUT_FIRST = 0.3  # what the shipped draft keeps (0.355 on all 24 held-out prompts); the issue's goal, 0.5, is not met
 
 
 def test_heldout_acceptance_of_the_shipped_draft(pair, heldout):
@@ -111,8 +133,10 @@ def test_distill_recipe_resumes_to_the_same_draft(tmp_path):
     stamps = [p.stat().st_mtime_ns for p in shards]
     resumed = d.run(target, args, tmp_path / "a", tmp_path / "a-out", r)
     assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "a" / "generate").iterdir())] == stamps
-    steps = [json.loads(x)["step"] for x in (tmp_path / "a" / "train" / "log.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) == 2 * 4  # 4 sequences, 2 epochs
+    log = [json.loads(x) for x in (tmp_path / "a" / "train" / "log.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in log]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == 2 * 2  # 2 sequences, 2 epochs
+    assert [x["epoch"] for x in log if "heldout_first" in x] == [1, 2]  # held-out acceptance at each epoch's end
     straight = d.run(target, args, tmp_path / "b", tmp_path / "b-out", r)
     a = mx.load(str(tmp_path / "a-out" / "model.safetensors"))
     b = mx.load(str(tmp_path / "b-out" / "model.safetensors"))

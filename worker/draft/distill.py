@@ -1,11 +1,14 @@
 """`verity distill`: the recipe that builds the embedded model's draft on this machine.
 
 Stages, each resumable from what it left in the work folder:
-1. generate: SmolLM2-135M continues every prompt of train_prompts.txt (batched, on the CPU), once
-   greedy and once sampled; each step keeps the teacher's top-K next-token log-probabilities.
+1. generate: SmolLM2-135M continues every prompt of train_prompts.txt (batched, on the CPU, prompts of
+   like length together), greedy or sampled in turn; each step keeps the teacher's top-K next-token
+   log-probabilities.
 2. train: a few llama layers, started as copies of chosen target layers and sharing the target's
    embedding, learn the teacher's next-token distribution (cross-entropy to its top-K) over the
-   generated positions; AdamW with a cosine schedule; a checkpoint every few steps.
+   generated positions, plus a weighted term for the teacher's argmax (what greedy acceptance
+   counts); AdamW with a cosine schedule; a checkpoint every few steps, held-out acceptance logged
+   at each epoch's end.
 3. evaluate: greedy acceptance per draft position on heldout_prompts.txt (never trained on).
 4. export: float16 safetensors and config into worker/draft/embedded/.
 """
@@ -43,12 +46,13 @@ class Recipe:
     seed: int = 0
     layer_ids: list = field(default_factory=lambda: [0, 1, 28, 29])  # target layers the draft starts from
     head_size: int = 8192  # vocabulary of the draft's output head: the teacher's most frequent tokens
-    gen_tokens: int = 160  # per generated continuation
-    temperatures: list = field(default_factory=lambda: [0.0, 0.8])  # one continuation per prompt each
-    gen_batch: int = 32
-    top_k: int = 16  # teacher log-probabilities kept per position
-    batch: int = 8  # sequences per training step
-    epochs: int = 3
+    gen_tokens: int = 96  # per generated continuation
+    temperatures: list = field(default_factory=lambda: [0.0, 0.8])  # prompt i samples at temperatures[i % len]
+    gen_batch: int = 128
+    top_k: int = 16  # teacher log-probabilities kept per position (sampling draws from these)
+    batch: int = 16  # sequences per training step
+    epochs: int = 2
+    hard: float = 0.5  # weight of the cross-entropy to the teacher's argmax
     lr: float = 5e-4
     warmup: int = 20
     checkpoint_every: int = 20
@@ -73,18 +77,20 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def generate(target, tokenizer, prompts: list[str], work: Path, r: Recipe, progress: Progress = no_progress) -> list[Path]:
-    """One shard per (temperature, batch of prompts); shards already written are kept."""
+    """One shard per batch of prompts (sorted by length, so little padding); shards already written are kept."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i))
     shards, jobs = [], []
-    for ti, temp in enumerate(r.temperatures):
-        for b in range(0, len(prompts), r.gen_batch):
-            path = work / "generate" / f"t{ti}-{b // r.gen_batch:04d}.npz"
-            shards.append(path)
-            if not path.exists():
-                jobs.append((path, temp, prompts[b: b + r.gen_batch], r.seed * 1000 + ti * 100 + b))
+    for b in range(0, len(order), r.gen_batch):
+        path = work / "generate" / f"{b // r.gen_batch:04d}.npz"
+        shards.append(path)
+        if not path.exists():
+            jobs.append((path, order[b: b + r.gen_batch], r.seed * 1000 + b))
     advance = progress("generate (teacher continuations)", len(shards))
     advance(len(shards) - len(jobs))
-    for path, temp, batch, seed in jobs:
-        rows = _generate_batch(target, [encode_prompt(tokenizer, p) for p in batch], temp, r, set(tokenizer.eos_token_ids), seed)
+    for path, batch, seed in jobs:
+        temps = [r.temperatures[i % len(r.temperatures)] for i in batch]
+        rows = _generate_batch(target, [encoded[i] for i in batch], temps, r, set(tokenizer.eos_token_ids), seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, **_pack(rows))
@@ -93,7 +99,8 @@ def generate(target, tokenizer, prompts: list[str], work: Path, r: Recipe, progr
     return shards
 
 
-def _generate_batch(model, prompts: list[list[int]], temp: float, r: Recipe, eos: set, seed: int) -> list[dict]:
+def _generate_batch(model, prompts: list[list[int]], temps: list[float], r: Recipe, eos: set, seed: int) -> list[dict]:
+    """Rows at temperature 0 take the argmax; the others sample from the teacher's top-K (Gumbel-max)."""
     from mlx_lm.models.cache import BatchKVCache
 
     width = max(len(p) for p in prompts)
@@ -102,17 +109,17 @@ def _generate_batch(model, prompts: list[list[int]], temp: float, r: Recipe, eos
     x = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)])
     logits = model(x, cache=cache)[:, -1]
     key = mx.random.key(seed)
+    t = mx.array(temps, dtype=mx.float32)[:, None]
     rows = [{"prompt": p, "tokens": [], "ids": [], "logprobs": []} for p in prompts]
     live = list(range(len(prompts)))
     for _ in range(r.gen_tokens):
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         ids = mx.argpartition(-lp, r.top_k - 1, axis=-1)[:, : r.top_k]
         top = mx.take_along_axis(lp, ids, axis=-1)
-        if temp == 0:
-            tok = mx.argmax(lp, axis=-1)
-        else:
-            key, sub = mx.random.split(key)
-            tok = mx.random.categorical(lp / temp, key=sub)
+        key, sub = mx.random.split(key)
+        pick = mx.argmax(top / mx.maximum(t, 1e-6) + mx.random.gumbel(top.shape, key=sub), axis=-1)
+        sampled = mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+        tok = mx.where(t[:, 0] > 0, sampled, mx.argmax(lp, axis=-1).astype(sampled.dtype))
         mx.eval(tok, ids, top)
         toks, ids_np, top_np = tok.tolist(), np.array(ids), np.array(top.astype(mx.float32))
         for i in list(live):
@@ -179,11 +186,13 @@ def _batches(examples: list[Example], r: Recipe, epoch: int) -> list[list[int]]:
 
 
 def _collate(examples: list[Example], index: np.ndarray, vocab_size: int, K: int):
-    """Inputs, per-position teacher ids (mapped into the head's vocabulary) and probabilities."""
+    """Inputs, per-position teacher ids (mapped into the head's vocabulary) and probabilities, and the
+    teacher's argmax (-1 where unscored or outside the head)."""
     width = max(len(e.tokens) for e in examples) - 1
     x = np.zeros((len(examples), width), dtype=np.int32)
     ids = np.zeros((len(examples), width, K), dtype=np.int32)
     probs = np.zeros((len(examples), width, K), dtype=np.float32)
+    best = np.full((len(examples), width), -1, dtype=np.int32)
     for b, e in enumerate(examples):
         n = len(e.tokens) - 1
         x[b, :n] = e.tokens[:-1]
@@ -194,19 +203,25 @@ def _collate(examples: list[Example], index: np.ndarray, vocab_size: int, K: int
         p /= np.maximum(p.sum(-1, keepdims=True), 1e-9)
         ids[b, start: start + g] = np.maximum(sub, 0)
         probs[b, start: start + g] = p
-    return mx.array(x), mx.array(ids), mx.array(probs)
+        best[b, start: start + g] = np.take_along_axis(sub, e.top_logprobs.argmax(-1)[:, None], -1)[:, 0]
+    return mx.array(x), mx.array(ids), mx.array(probs), mx.array(best)
 
 
-def loss_fn(draft: DraftModel, x: mx.array, ids: mx.array, probs: mx.array) -> mx.array:
-    """Cross-entropy of the draft's head distribution to the teacher's top-K, per scored position."""
+def loss_fn(draft: DraftModel, x: mx.array, ids: mx.array, probs: mx.array, best: mx.array,
+            hard: float = 0.0) -> mx.array:
+    """Cross-entropy of the draft's head distribution to the teacher's top-K, plus `hard` × the
+    cross-entropy to the teacher's argmax, per scored position."""
     logits = draft.subset_logits(x)
     logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     ce = -(probs * mx.take_along_axis(logq, ids, axis=-1)).sum(-1)
-    return ce.sum() / mx.maximum((probs.sum(-1) > 0).sum(), 1)
+    has = best >= 0
+    ce_best = -mx.take_along_axis(logq, mx.maximum(best, 0)[..., None], axis=-1)[..., 0] * has
+    return (ce.sum() + hard * ce_best.sum()) / mx.maximum((probs.sum(-1) > 0).sum(), 1)
 
 
 def train(target, target_args: dict, examples: list[Example], vocab: list[int], work: Path, r: Recipe,
-          progress: Progress = no_progress) -> DraftModel:
+          progress: Progress = no_progress, on_epoch: Optional[Callable[[DraftModel], dict]] = None) -> DraftModel:
+    """`on_epoch(draft)` -> figures logged with each epoch's last checkpoint (held-out acceptance)."""
     draft = init_from_target(target, target_args, r.layer_ids, vocab)
     draft.freeze()
     for layer in draft.model.layers:
@@ -228,25 +243,27 @@ def train(target, target_args: dict, examples: list[Example], vocab: list[int], 
         for i, batch in enumerate(_batches(examples, r, epoch)):
             if epoch * steps_per_epoch + i < step:
                 continue
-            loss, grads = value_and_grad(draft, *_collate([examples[j] for j in batch], index, len(vocab), r.top_k))
+            loss, grads = value_and_grad(draft, *_collate([examples[j] for j in batch], index, len(vocab), r.top_k), r.hard)
             opt.update(draft, grads)
             mx.eval(draft.trainable_parameters(), opt.state, loss)
             losses.append(loss.item())
             step += 1
             advance(1)
-            if step % r.checkpoint_every == 0 or step == total:
-                _checkpoint(draft, opt, work, step, losses[-r.checkpoint_every:])
+            last = i == steps_per_epoch - 1
+            if step % r.checkpoint_every == 0 or last:
+                extra = {"epoch": epoch + 1, **on_epoch(draft)} if last and on_epoch else {}
+                _checkpoint(draft, opt, work, step, losses[-r.checkpoint_every:], extra)
     return draft
 
 
-def _checkpoint(draft: DraftModel, opt, work: Path, step: int, losses: list[float]) -> None:
+def _checkpoint(draft: DraftModel, opt, work: Path, step: int, losses: list[float], extra: dict) -> None:
     folder = work / "train"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {f"w.{k}": v for k, v in own_weights(draft).items()}
     arrays.update({f"o.{k}": v for k, v in tree_flatten(opt.state)})
     mx.save_safetensors(str(folder / "checkpoint.tmp.safetensors"), arrays)
     (folder / "checkpoint.tmp.safetensors").rename(folder / "checkpoint.safetensors")
-    log = {"step": step, "loss": sum(losses) / max(len(losses), 1)}
+    log = {"step": step, "loss": sum(losses) / max(len(losses), 1), **extra}
     with open(folder / "log.jsonl", "a") as f:
         f.write(json.dumps(log) + "\n")
     (folder / "state.json").write_text(json.dumps({"step": step}))
@@ -269,7 +286,8 @@ def greedy_continuations(target, prompts: list[list[int]], tokens: int, eos: set
     r = Recipe(gen_tokens=tokens, top_k=1)
     out = []
     for b in range(0, len(prompts), batch):
-        out += [row["tokens"] for row in _generate_batch(target, prompts[b: b + batch], 0.0, r, eos, 0)]
+        chunk = prompts[b: b + batch]
+        out += [row["tokens"] for row in _generate_batch(target, chunk, [0.0] * len(chunk), r, eos, 0)]
     return out
 
 
@@ -304,8 +322,10 @@ def run(target_lm, target_args: dict, work: Path, out: Path, r: Recipe, progress
     shards = generate(target_lm.model, tok, prompts, work, r, progress)
     examples = load_examples(shards)
     vocab = head_vocab(examples, r.head_size, sorted(tok.eos_token_ids))
-    draft = train(target_lm.model, target_args, examples, vocab, work, r, progress)
-    report = evaluate(target_lm, draft, progress, r.eval_tokens, r.eval_prompts)
+    held = heldout_set(target_lm, progress, r.eval_tokens, r.eval_prompts)
+    draft = train(target_lm.model, target_args, examples, vocab, work, r, progress,
+                  lambda dr: {"heldout_first": round(acceptance_per_position(dr, *held)["first"], 4)})
+    report = acceptance_per_position(draft, *held) | {"prompts": len(held[0])}
     meta = {"draft_id": DRAFT_ID, "teacher": target_lm.model_id, "teacher_revision": target_lm.revision,
             "layers": len(r.layer_ids), "init_layers": r.layer_ids, "head_vocab": vocab, "recipe": asdict(r),
             "training_tokens": int(sum(len(e.top_ids) for e in examples)), "heldout": report}
@@ -313,12 +333,10 @@ def run(target_lm, target_args: dict, work: Path, out: Path, r: Recipe, progress
     return meta
 
 
-def evaluate(target_lm, draft, progress: Progress = no_progress, tokens: int = 128, limit: Optional[int] = None) -> dict:
+def heldout_set(target_lm, progress: Progress = no_progress, tokens: int = 128, limit: Optional[int] = None):
+    """The held-out prompts and the target's greedy continuations of them."""
     held = [encode_prompt(target_lm.tokenizer, p) for p in read_prompts(HELDOUT_PROMPTS, limit)]
-    advance = progress("evaluate (held-out prompts)", 2)
+    advance = progress("held-out prompts (the target's greedy text)", 1)
     cont = greedy_continuations(target_lm.model, held, tokens, set(target_lm.tokenizer.eos_token_ids))
     advance(1)
-    report = acceptance_per_position(draft, held, cont)
-    advance(1)
-    report["prompts"] = len(held)
-    return report
+    return held, cont
