@@ -19,6 +19,7 @@ from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker.loader import PairingError, check_tokenizers_agree
 from worker.spec import state as st
+from worker.spec.joint import CATCH_UP_LAG
 from worker.spec.sampling import SamplingParams, accept_sampled, make_key_fn
 
 N_PROMPTS, N_TOKENS = (20, 128) if FULL else (6, 48)
@@ -251,3 +252,20 @@ def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
         out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("draft prefill") == 1 and len(out) == 12
+
+
+def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
+    """A draft that sat out more than CATCH_UP_LAG cycles feeds them at its next drafting cycle;
+    that round is recorded apart as "draft catch-up", the steady drafting rounds are timed."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=24, temperature=0.0,
+                            mode="joint", ignore_eos=True)
+    eng = Engine(pair.target, EngineConfig(draft_budget=1), pair.drafts["perturbed"])
+    eng.submit("a", req)
+    out, budgets = [], [1] * 3 + [0] * (CATCH_UP_LAG + 2) + [1] * 24
+    while eng.has_work():
+        eng.scheduler.fixed = budgets.pop(0)
+        out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
+    reasons = [r for *_, r in eng.scheduler.cost.set_apart]
+    assert reasons.count("draft prefill") == 1 and reasons.count("draft catch-up") == 1
+    assert len(eng.scheduler.cost.cells[(1, 1, 1)]) >= 3 and len(out) == 24

@@ -14,7 +14,7 @@ import pytest
 from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
-from worker.scheduler import PROBE_EVERY, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
+from worker.scheduler import MAX_AGE, MIN_SAMPLES, PROBE_EVERY, WINDOW, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -71,6 +71,14 @@ def test_cost_model_keeps_only_complete_rounds():
         cm.observe((1, 0, 0), t)
     cm.commit()
     assert cm.table() == {"1,0,0": pytest.approx(0.0105)} and cm.set_apart[-1][2] == "stall"
+    cm.observe((1, 1, 1), 0.02)
+    for _ in range(MAX_AGE - 1):
+        cm.observe((1, 0, 0), 0.010)
+    cm.commit()
+    assert cm.counts() == {"1,0,0": WINDOW, "1,1,1": 1}
+    cm.observe((1, 0, 0), 0.010)
+    cm.commit()  # (1, 1, 1) was last measured MAX_AGE rounds ago: it expires
+    assert cm.counts() == {"1,0,0": WINDOW}
     s = Scheduler()
     s.plan(["a"], 1)
     s.observe_round(1.0, complete=False, reason="prefill")
@@ -103,6 +111,27 @@ def test_deeper_drafts_are_tried_past_a_costly_first_depth():
     assert decide(rates, 4, costly, 16)["budget"] <= 4  # measured: a second depth does not pay
 
 
+def test_one_slow_first_round_does_not_price_a_cell_out():
+    """A cell of fewer than MIN_SAMPLES rounds costs at most what its neighbours imply, so one
+    slow first round does not keep k = 1 from being measured again; with enough rounds its own
+    median stands."""
+    table = {"1,0,0": 0.010, "1,1,1": 0.050}
+    assert decide([[0.6]], 1, table, 8, counts={"1,0,0": 9, "1,1,1": 1})["budget"] == 1
+    assert decide([[0.6]], 1, table, 8, counts={"1,0,0": 9, "1,1,1": MIN_SAMPLES})["budget"] == 0
+
+
+def test_a_round_costs_no_more_than_a_measured_one_doing_more_work():
+    """Noise can leave a shallower cell dearer than a deeper one; the deeper one bounds it (only
+    once it has MIN_SAMPLES rounds)."""
+    table = {"4,0,0": 0.30, "4,4,1": 0.46, "4,8,2": 0.38}
+    counts = {"4,0,0": 9, "4,4,1": 5, "4,8,2": 5}
+    d = decide([[0.6, 0.0]] * 4, 4, table, 16, counts=counts)
+    assert d["allocation"] == [1, 1, 1, 1]
+    assert next(c["cost"] for c in d["candidates"] if c["B"] == 4) == 0.38
+    thin = dict(counts, **{"4,8,2": 1})
+    assert next(c["cost"] for c in decide([[0.6, 0.0]] * 4, 4, table, 16, counts=thin)["candidates"] if c["B"] == 4) == 0.46
+
+
 def test_a_shrinking_batch_starts_from_what_the_larger_one_measured():
     table = {"4,0,0": 0.28, "4,4,1": 0.40, "4,16,4": 0.60, "3,0,0": 0.21}
     d = decide([[0.9] * 4 for _ in range(3)], 3, table, 16)
@@ -116,7 +145,7 @@ def test_untried_positions_borrow_the_previous_position_estimate():
     for _ in range(20):
         good.observe_cycle("r", 1, 1)  # only position 1 was ever tried, always accepted
         bad.observe_cycle("r", 1, 0)
-    g, b = good.acceptance["r"].rates(), bad.acceptance["r"].rates()
+    g, b = good.acceptance["r"].rates(good.overall.rates()), bad.acceptance["r"].rates(bad.overall.rates())
     assert g[0] > 0.9 and g[1] > 0.8 and g[7] > 0.6  # untried, but likely as good as the first
     assert b[0] < 0.1 and max(b[1:]) < 0.4
 
@@ -127,7 +156,7 @@ def test_probes_are_rarer_where_a_probe_costs_much_more_than_plain():
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
     assert probe_interval(gpu, 1) == 228  # (0.050 - 0.009) / (2% of 0.009), rounded up
     s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [0.009] * 5, (1, 1, 1): [0.050] * 5}
+    s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.050)] * 5}
     for _ in range(100):
         s.observe_cycle("r", 1, 0)
     budgets = [s.plan(["r"], 1)[0] for _ in range(300)]
@@ -193,13 +222,27 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     assert r.returncode == 1 and f"line {len(lines)}" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_few_unlucky_cycles_do_not_stop_a_request_drafting():
+    """Each request's estimate leans on the server-wide one: two rejections in a row (likely at
+    a = 0.6) leave it near what the draft is, not at the 0.25 that would switch it off."""
+    s = Scheduler()
+    for i in range(60):
+        s.observe_cycle(f"r{i % 3}", 1, int(i % 5 < 3))  # 60% accepted
+    s.observe_cycle("unlucky", 1, 0)
+    s.observe_cycle("unlucky", 1, 0)
+    shared = s.overall.rates()
+    assert 0.45 < shared[0] < 0.65
+    assert s.acceptance["unlucky"].rates(shared)[0] > 0.4
+    assert s.acceptance["unlucky"].rates()[0] < 0.3  # on its own counts alone
+
+
 def test_new_requests_start_from_what_the_server_has_seen():
     s = Scheduler()
     for _ in range(30):
         s.observe_cycle("old", 2, 0)  # the draft is rejected at once, every time
     s.forget("old")
-    fresh = s._acceptance("new").rates()
+    fresh = s._acceptance("new").rates(s.overall.rates())
     assert fresh[0] < 0.25  # not the 0.5 of the bare prior
     for _ in range(10):
         s.observe_cycle("new", 2, 2)  # this request's own text is easy: it soon goes its own way
-    assert s.acceptance["new"].rates()[0] > 0.6
+    assert s.acceptance["new"].rates(s.overall.rates())[0] > 0.6

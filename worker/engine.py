@@ -21,7 +21,7 @@ from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
 from worker.spec.draft import Drafter
 from worker.spec.batch import joint_round
-from worker.spec.joint import CycleStats, JointDecoder
+from worker.spec.joint import CycleStats, JointDecoder, switching_cost
 from worker.spec.sampling import SamplingParams
 from worker.scheduler import Scheduler
 from worker.reuse import Plan, PrefixCache, Start
@@ -221,10 +221,9 @@ class Engine:
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active))):
             r.decoder.budget = k
-        # a prefill is no decode round; nor is a draft's first cycle (it prefills the draft then)
+        # a prefill is no decode round; nor is one whose draft first catches up (switching_cost)
         reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
-        if any(r.decoder.budget and r.decoder.decoder.draft_lacks_prompt for r in joint):
-            reason = "draft prefill"
+        reason = reason or switching_cost([r.decoder.decoder for r in joint if r.decoder.budget])
         complete = not reason
         t0 = time.perf_counter()
         batching = self.config.batch_verify and len(joint) > 1

@@ -21,7 +21,7 @@ from mlx_lm.models import qwen3_5
 from worker.scheduler import Scheduler
 from worker.spec import state as st
 from worker.spec.draft import ControlledDrafter
-from worker.spec.joint import JointDecoder
+from worker.spec.joint import JointDecoder, switching_cost
 from worker.spec.sampling import SamplingParams
 
 _COMMON = dict(model_type="qwen3_5_text", linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
@@ -216,13 +216,13 @@ def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: 
     t0 = time.perf_counter()
     while len(out) < n:
         budget = sched.plan(["r"], 1)[0]
-        first_draft = budget > 0 and jd.draft_lacks_prompt  # this cycle prefills the draft: not a cost sample
+        untimed = switching_cost([jd] if budget else [])  # the draft catches up: not a cost sample
         t = time.perf_counter()
         emitted = jd.cycle(budget)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
         sched.observe_cycle("r", *jd.last_cycle)
-        sched.observe_round(time.perf_counter() - t, complete=not first_draft, reason="draft prefill" * first_draft)
+        sched.observe_round(time.perf_counter() - t, complete=not untimed, reason=untimed)
         out += emitted[:keep]
     wall = time.perf_counter() - t0
     s = jd.stats

@@ -39,13 +39,20 @@ def allocate(survival: Sequence[Sequence[float]], budget: int) -> list[int]:
 PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
 FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
+SHARED_WEIGHT = 8.0  # pseudo-observations of the server-wide estimate in each request's own
 
 
 class Acceptance:
-    """Conditional acceptance per draft position from decayed counts with a Beta prior whose
-    mean is the previous position's estimate (position 1: 0.5): an untried deeper position is
-    taken to be like the one before it, so a draft that is good at shallow positions gets tried
-    deeper, and a bad one does not."""
+    """Conditional acceptance per draft position from decayed counts with a Beta prior.
+
+    The server-wide estimate (every request's cycles) takes as prior mean the previous position's
+    estimate (position 1: 0.5): an untried deeper position is taken to be like the one before it,
+    so a draft that is good at shallow positions gets tried deeper, and a bad one does not. A
+    request's own estimate takes the server-wide one as prior (SHARED_WEIGHT observations): it
+    starts from what the server has seen and goes its own way as its text shows, but a few
+    unlucky cycles do not make it look worse than the draft is, which would stop it drafting
+    (and so observing) for good.
+    """
 
     def __init__(self, max_positions: int):
         self.accepted = [0.0] * max_positions
@@ -57,27 +64,25 @@ class Acceptance:
             self.accepted[j] = self.accepted[j] * DECAY + (j < n)
             self.tried[j] = self.tried[j] * DECAY + 1
 
-    def rates(self) -> list[float]:
+    def rates(self, shared: Sequence[float] | None = None) -> list[float]:
+        """Estimates per position; `shared`: the server-wide ones, as this request's prior."""
         out, prior = [], FIRST_PRIOR
-        for a, t in zip(self.accepted, self.tried):
-            prior = (a + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
-            out.append(prior)
-        return out
-
-    def seed(self, weight: float = 4.0) -> "Acceptance":
-        """A new request's estimate: this one's rates, worth at most `weight` observations per
-        position (a new request starts from what the server has seen, and soon goes its own way)."""
-        out = Acceptance(len(self.tried))
         for j, (a, t) in enumerate(zip(self.accepted, self.tried)):
-            scale = min(1.0, weight / t) if t else 0.0
-            out.accepted[j], out.tried[j] = a * scale, t * scale
+            if shared is None:
+                prior = (a + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
+            else:
+                prior = (a + SHARED_WEIGHT * shared[j]) / (t + SHARED_WEIGHT)
+            out.append(prior)
         return out
 
 
 # ---- cost of complete rounds ----
 
 WINDOW = 32  # measurements per cell
+MAX_AGE = 256  # rounds after which a measurement expires (the machine's load changes; a cell
+               # that is never chosen again would otherwise keep its old figure for good)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
+MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
 PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
 
@@ -101,7 +106,9 @@ class CostModel:
     the two deepest drafting depths, or, with one drafting depth measured, optimistically at
     PRIOR_SLOPE × the plain round's cost per depth (the first depth's jump is mostly the fixed
     cost of drafting at all), so that a deeper draft gets tried once and then priced by its own
-    measurement.
+    measurement. Noise is bounded where the work is known to be ordered (see `estimate`), and a
+    measurement expires after MAX_AGE timed rounds, so a cell priced under another load is
+    measured afresh.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
     """
@@ -109,12 +116,14 @@ class CostModel:
     PRIOR_SLOPE = 0.25  # guessed extra cost of one more draft depth, relative to a plain round
 
     def __init__(self):
-        self.cells: dict[tuple[int, int, int], list[float]] = {}
+        self.cells: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # (round, seconds)
+        self.rounds = 0
         self.pending: tuple | None = None
         self.set_apart: list[tuple] = []  # interrupted, partial or stalled rounds
 
     def observe(self, key: tuple[int, int, int], seconds: float) -> None:
         self.commit()
+        self.rounds += 1
         self.pending = (key, seconds)
 
     def interrupt(self, reason: str) -> None:
@@ -128,15 +137,23 @@ class CostModel:
         key, seconds = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
-        if len(cell) >= 3 and seconds > STALL_FACTOR * _median(cell):
+        if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
-        cell.append(seconds)
+        cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
 
+    def _live(self) -> dict[tuple[int, int, int], list[float]]:
+        live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
+        return {key: v for key, v in live.items() if v}
+
     def table(self) -> dict[str, float]:
-        """Medians of the measured cells, keyed "N,B,D" (what decisions are logged with)."""
-        return {f"{n},{b},{d}": _median(v) for (n, b, d), v in sorted(self.cells.items()) if v}
+        """Medians of the cells' unexpired rounds, keyed "N,B,D" (what decisions are logged with)."""
+        return {f"{n},{b},{d}": _median(v) for (n, b, d), v in self._live().items()}
+
+    def counts(self) -> dict[str, int]:
+        """Unexpired rounds in each cell of `table()`."""
+        return {f"{n},{b},{d}": len(v) for (n, b, d), v in self._live().items()}
 
 
 def _cells(table: dict[str, float], n: int) -> list[tuple[int, int, float]]:
@@ -186,8 +203,29 @@ def _reach(table: dict[str, float], n: int) -> int:
     return max([own] + shared)
 
 
-def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
-    """Cost of a round from a logged table (see CostModel); None when nothing of this N is known."""
+def estimate(table: dict[str, float], n: int, b: int, d: int, counts: dict[str, int] | None = None) -> float | None:
+    """Cost of a round from a logged table (see CostModel); None when nothing of this N is known.
+
+    A round never costs more than a measured one that does more work (at least as many tokens
+    and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
+    MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
+    neighbour's load, a first allocation) must not price a cell out of ever being measured again.
+    """
+    cost = _interpolate(table, n, b, d)
+    key = f"{n},{b},{d}"
+    if cost is not None and counts is not None and key in table and counts.get(key, 0) < MIN_SAMPLES:
+        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d)
+        cost = cost if others is None else min(cost, others)
+    bounds = [v for k, v in table.items() if _dominates(k, n, b, d) and (counts is None or counts.get(k, 0) >= MIN_SAMPLES)]
+    return min([cost] + bounds) if cost is not None else None
+
+
+def _dominates(key: str, n: int, b: int, d: int) -> bool:
+    kn, kb, kd = map(int, key.split(","))
+    return kn == n and kb >= b and kd >= d and (kb, kd) != (b, d)
+
+
+def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
     exact = table.get(f"{n},{b},{d}")
     if exact is not None:
         return exact
@@ -218,7 +256,7 @@ def estimate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
 
 
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
-           probe: bool = False) -> dict:
+           probe: bool = False, counts: dict[str, int] | None = None) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -240,7 +278,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
         d = max(lengths, default=0)
         if d > reach:
             break  # allocations only deepen as B grows
-        cost = estimate(table, n_requests, b, d)
+        cost = estimate(table, n_requests, b, d, counts)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:
@@ -252,10 +290,10 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
 
 
-def probe_interval(table: dict[str, float], n_requests: int) -> int:
+def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None) -> int:
     """Plain rounds between probes: PROBE_EVERY, or more where a probe round costs much more than
     a plain one (on a GPU where drafting is launch-bound, a probe can cost 5× a plain step)."""
-    plain, probe = estimate(table, n_requests, 0, 0), estimate(table, n_requests, 1, 1)
+    plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, 1, 1, counts)
     if not plain or probe is None or probe <= plain:
         return PROBE_EVERY
     return max(PROBE_EVERY, math.ceil((probe - plain) / (PROBE_SHARE * plain)))
@@ -274,7 +312,7 @@ class Scheduler:
         self.fixed, self.b_max = fixed, b_max
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
-        self.overall = Acceptance(POSITIONS)  # every request's cycles: the prior of new requests
+        self.overall = Acceptance(POSITIONS)  # every request's cycles: each request's prior
         self.rounds = 0
         self.rounds_without_draft = 0
         self._round: tuple[int, int, int] | None = None
@@ -287,15 +325,16 @@ class Scheduler:
         if self.fixed is not None:
             lengths = [self.fixed] * len(joint_ids)
         else:
-            rates = [self._acceptance(i).rates() for i in joint_ids]
-            table = self.cost.table()
-            probe = self.rounds_without_draft >= probe_interval(table, n_requests)
-            d = decide(rates, n_requests, table, self.b_max, probe)
+            shared = self.overall.rates()
+            rates = [self._acceptance(i).rates(shared) for i in joint_ids]
+            table, counts = self.cost.table(), self.cost.counts()
+            probe = self.rounds_without_draft >= probe_interval(table, n_requests, counts)
+            d = decide(rates, n_requests, table, self.b_max, probe, counts)
             lengths = d["allocation"]
             if self._log:
                 self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                             "b_max": self.b_max, "probe": probe, "acceptance": rates,
-                                            "cost_table": table, **d}) + "\n")
+                                            "cost_table": table, "cost_counts": counts, **d}) + "\n")
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         self._round = (n_requests, drafted, max(lengths, default=0))
@@ -321,7 +360,7 @@ class Scheduler:
 
     def _acceptance(self, request_id: str) -> Acceptance:
         if request_id not in self.acceptance:
-            self.acceptance[request_id] = self.overall.seed()
+            self.acceptance[request_id] = Acceptance(POSITIONS)
         return self.acceptance[request_id]
 
     def forget(self, request_id: str) -> None:
@@ -335,7 +374,8 @@ def replay(lines: Sequence[str]) -> list[str]:
         if not line.strip():
             continue
         rec = json.loads(line)
-        got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"])
+        got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
+                     rec.get("cost_counts"))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")

@@ -23,6 +23,17 @@ from worker.spec.draft import Drafter
 from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 
 RECOVERY_PATHS = ("fast", "replay")
+CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
+
+
+def switching_cost(drafting: list["JointDecoder"]) -> str:
+    """Why a round in which these decoders draft is not timed as a drafting round, or "": a draft
+    that first feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up") pays
+    a switching cost once; in the cost table it would price every drafting round as if it paid
+    it, and keep speculation off."""
+    if any(d.draft_lacks_prompt for d in drafting):
+        return "draft prefill"
+    return "draft catch-up" if any(d.draft_lag > CATCH_UP_LAG for d in drafting) else ""
 
 
 @dataclass
@@ -139,6 +150,12 @@ class JointDecoder:
     def draft_lacks_prompt(self) -> bool:
         """The draft has not consumed the whole prompt yet (it has not drafted for this request)."""
         return len(self.drafter.consumed) < self.prompt_len
+
+    @property
+    def draft_lag(self) -> int:
+        """Tokens the draft must feed before its first proposal: at most 2 while it drafts every
+        cycle, one more for each cycle it sat out."""
+        return len(self.tokens) - len(self.drafter.consumed)
 
     @property
     def position(self) -> int:
