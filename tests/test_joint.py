@@ -256,7 +256,8 @@ def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
 
 def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
     """A draft that sat out more than CATCH_UP_LAG cycles feeds them at its next drafting cycle;
-    that round is recorded apart as "draft catch-up", the steady drafting rounds are timed."""
+    that round is recorded apart as "draft catch-up", and so is the first plain round after
+    drafting (it starts the plain pipeline); the steady rounds are timed."""
     pair = pairs["qwen3_5+qwen3_5"]
     req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=24, temperature=0.0,
                             mode="joint", ignore_eos=True)
@@ -268,4 +269,6 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
         out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("draft prefill") == 1 and reasons.count("draft catch-up") == 1
-    assert len(eng.scheduler.cost.cells[(1, 1, 1)]) >= 3 and len(out) == 24
+    assert reasons.count("plain pipeline start") == 1
+    counts = eng.scheduler.cost.counts()
+    assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 1 and len(out) == 24

@@ -155,6 +155,7 @@ def test_probes_are_rarer_where_a_probe_costs_much_more_than_plain():
     assert probe_interval({"1,0,0": 0.10, "1,1,1": 0.115}, 1) == PROBE_EVERY  # CPU: drafting is cheap
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
     assert probe_interval(gpu, 1) == 228  # (0.050 - 0.009) / (2% of 0.009), rounded up
+    assert probe_interval(gpu, 1, catch_up=0.095) == 478  # the probe's draft catching up costs more
     s = Scheduler()
     s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.050)] * 5}
     for _ in range(100):

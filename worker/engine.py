@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 from protocol import messages as m
 from worker.loader import LoadedModel
@@ -211,8 +211,9 @@ class Engine:
         """Applies cancels, admits waiting requests, decodes one token for each active one."""
         events: list = []
         self._apply_cancels(events)
-        self._admit(events)
-        self._round(events)
+        with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
+            self._admit(events)
+            self._round(events)
         return events
 
     def _round(self, events: list) -> None:
@@ -221,12 +222,12 @@ class Engine:
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active))):
             r.decoder.budget = k
-        # a prefill is no decode round; nor is one whose draft first catches up (switching_cost)
+        # a prefill is no decode round; nor is one that pays a switching cost
+        batching = self.config.batch_verify and len(joint) > 1
         reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
-        reason = reason or switching_cost([r.decoder.decoder for r in joint if r.decoder.budget])
+        reason = reason or switching_cost([r.decoder.decoder for r in joint], [r.decoder.budget for r in joint], batching)
         complete = not reason
         t0 = time.perf_counter()
-        batching = self.config.batch_verify and len(joint) > 1
         batched = self._batched_cycles(joint, events) if batching else {}
         complete = complete and (not batching or len(batched) == len(joint))
         for r in list(self._active):

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models import qwen3_5
 
 from worker.scheduler import Scheduler
@@ -199,11 +199,17 @@ class ForcedDecoder(JointDecoder):
         return n, mx.argmax(logits[n]).item()
 
 
-def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: Callable[[int], float],
-                 n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None,
-                 forced: bool = False) -> JointRun:
-    """Greedy joint decoding with the controlled-acceptance draft; k=None: the adaptive scheduler.
-    forced: acceptance by the draft's intent (ForcedDecoder)."""
+def joint_decode(*args, **kwargs) -> JointRun:
+    """Greedy joint decoding with the controlled-acceptance draft (see _joint_decode), on mlx-lm's
+    generation stream as the engine runs it."""
+    with mx.stream(generation_stream):
+        return _joint_decode(*args, **kwargs)
+
+
+def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: Callable[[int], float],
+                  n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None,
+                  forced: bool = False) -> JointRun:
+    """k=None: the adaptive scheduler. forced: acceptance by the draft's intent (ForcedDecoder)."""
     if forced:
         drafter = ForcedDrafter(draft, reference, alpha, vocab, recovery=recovery)
         jd = ForcedDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
@@ -216,7 +222,7 @@ def joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: 
     t0 = time.perf_counter()
     while len(out) < n:
         budget = sched.plan(["r"], 1)[0]
-        untimed = switching_cost([jd] if budget else [])  # the draft catches up: not a cost sample
+        untimed = switching_cost([jd], [budget])  # not a cost sample
         t = time.perf_counter()
         emitted = jd.cycle(budget)
         keep = min(len(emitted), n - len(out))

@@ -82,6 +82,7 @@ WINDOW = 32  # measurements per cell
 MAX_AGE = 256  # rounds after which a measurement expires (the machine's load changes; a cell
                # that is never chosen again would otherwise keep its old figure for good)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
+CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a probe's cost is taken from
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
 PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
@@ -142,6 +143,12 @@ class CostModel:
             return
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
+
+    def catch_up_seconds(self, n: int) -> float | None:
+        """Median of the last WINDOW rounds of n requests set apart as a draft catching up (on
+        the prompt or on the rounds it sat out)."""
+        xs = [t for key, t, why in self.set_apart if why in CATCH_UP_REASONS and key[0] == n][-WINDOW:]
+        return _median(xs) if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
         live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
@@ -290,10 +297,15 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
 
 
-def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None) -> int:
+def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
+                   catch_up: float | None = None) -> int:
     """Plain rounds between probes: PROBE_EVERY, or more where a probe round costs much more than
-    a plain one (on a GPU where drafting is launch-bound, a probe can cost 5× a plain step)."""
+    a plain one (on a GPU where drafting is launch-bound, a probe can cost 5× a plain step). A
+    probe's draft first catches up on the rounds it sat out: `catch_up`, the median such round,
+    is what a probe costs when it is dearer than a drafting round."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, 1, 1, counts)
+    if probe is not None and catch_up is not None:
+        probe = max(probe, catch_up)
     if not plain or probe is None or probe <= plain:
         return PROBE_EVERY
     return max(PROBE_EVERY, math.ceil((probe - plain) / (PROBE_SHARE * plain)))
@@ -328,7 +340,8 @@ class Scheduler:
             shared = self.overall.rates()
             rates = [self._acceptance(i).rates(shared) for i in joint_ids]
             table, counts = self.cost.table(), self.cost.counts()
-            probe = self.rounds_without_draft >= probe_interval(table, n_requests, counts)
+            every = probe_interval(table, n_requests, counts, self.cost.catch_up_seconds(n_requests))
+            probe = self.rounds_without_draft >= every
             d = decide(rates, n_requests, table, self.b_max, probe, counts)
             lengths = d["allocation"]
             if self._log:

@@ -26,14 +26,21 @@ RECOVERY_PATHS = ("fast", "replay")
 CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
 
 
-def switching_cost(drafting: list["JointDecoder"]) -> str:
-    """Why a round in which these decoders draft is not timed as a drafting round, or "": a draft
-    that first feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up") pays
-    a switching cost once; in the cost table it would price every drafting round as if it paid
-    it, and keep speculation off."""
+def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: bool = False) -> str:
+    """Why a round of these decoders (drafting budgets[i] each) is not timed as a round of its
+    shape, or "": a switching cost, paid once, that in the cost table would price every round
+    of the shape as if it paid it, and keep the scheduler from choosing it again. A draft first
+    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); an unbatched
+    plain cycle after a drafting one (or the first) starts its pipeline ("plain pipeline start":
+    it builds two forwards and waits for the first)."""
+    drafting = [d for d, k in zip(decoders, budgets) if k]
     if any(d.draft_lacks_prompt for d in drafting):
         return "draft prefill"
-    return "draft catch-up" if any(d.draft_lag > CATCH_UP_LAG for d in drafting) else ""
+    if any(d.draft_lag > CATCH_UP_LAG for d in drafting):
+        return "draft catch-up"
+    if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
+        return "plain pipeline start"
+    return ""
 
 
 @dataclass
