@@ -51,7 +51,7 @@ class Recipe:
     gen_batch: int = 128
     top_k: int = 16  # teacher log-probabilities kept per position (sampling draws from these)
     batch: int = 16  # sequences per training step
-    epochs: int = 2
+    epochs: int = 5
     hard: float = 0.5  # weight of the cross-entropy to the teacher's argmax
     lr: float = 5e-4
     warmup: int = 20
