@@ -47,6 +47,7 @@ def test_shipped_draft_is_small_and_shares_the_target_embedding(pair):
     assert draft.model_id == DRAFT_ID and draft.tokenizer is target.tokenizer
     meta = json.loads((ASSET_DIR / "config.json").read_text())
     assert meta["teacher_revision"] == target.revision and len(meta["head_vocab"]) <= meta["recipe"]["head_size"]
+    assert meta["recipe"] == json.loads(json.dumps(asdict(d.Recipe())))  # `verity distill` rebuilds this draft
     assert set(target.tokenizer.eos_token_ids) <= set(meta["head_vocab"])  # the draft can propose the end
     train = set(d.read_prompts(d.TRAIN_PROMPTS))
     assert not train & set(d.read_prompts(d.HELDOUT_PROMPTS))  # held-out means never trained on
@@ -74,7 +75,7 @@ def test_training_prompts_are_the_committed_generator_output_and_avoid_heldout()
         assert core not in words, topic
 
 
-MIN_HELDOUT_FIRST = 0.3  # what the shipped draft keeps (0.355 on all 24 held-out prompts); the goal, 0.5, is not met
+MIN_HELDOUT_FIRST = 0.35  # what the shipped draft keeps (0.400 on all 24 held-out prompts); the goal, 0.5, is not met
 
 
 def test_heldout_acceptance_of_the_shipped_draft(pair, heldout):
