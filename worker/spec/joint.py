@@ -30,14 +30,17 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
     """Why a round of these decoders (drafting budgets[i] each) is not timed as a round of its
     shape, or "": a switching cost, paid once, that in the cost table would price every round
     of the shape as if it paid it, and keep the scheduler from choosing it again. A draft first
-    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); an unbatched
-    plain cycle after a drafting one (or the first) starts its pipeline ("plain pipeline start":
-    it builds two forwards and waits for the first)."""
+    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a cycle after
+    pipelined plain ones throws away the forward already computed ahead ("look-ahead discarded");
+    an unbatched plain cycle after a drafting one (or the first) starts its pipeline ("plain
+    pipeline start": it builds two forwards and waits for the first)."""
     drafting = [d for d, k in zip(decoders, budgets) if k]
     if any(d.draft_lacks_prompt for d in drafting):
         return "draft prefill"
     if any(d.draft_lag > CATCH_UP_LAG for d in drafting):
         return "draft catch-up"
+    if any(d._ahead is not None and (k or batched) for d, k in zip(decoders, budgets)):
+        return "look-ahead discarded"
     if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
         return "plain pipeline start"
     return ""
