@@ -247,3 +247,30 @@ def test_new_requests_start_from_what_the_server_has_seen():
     for _ in range(10):
         s.observe_cycle("new", 2, 2)  # this request's own text is easy: it soon goes its own way
     assert s.acceptance["new"].rates(s.overall.rates())[0] > 0.6
+
+
+def test_an_unlucky_deep_position_drifts_back_while_drafts_stay_shallow():
+    """Two early rejections at position 2 would keep drafts at depth 1 for good (position 2 is
+    then never tried again); cycles that do not try it make its old counts fade, so its estimate
+    returns to what position 1 shows and a deeper draft gets tried again."""
+    s = Scheduler()
+    for _ in range(2):
+        s.observe_cycle("r", 2, 1)  # position 1 accepted, position 2 rejected
+    assert s.overall.rates()[1] < 0.6
+    for _ in range(60):
+        s.observe_cycle("r", 1, 1)  # depth 1 only, always accepted
+    shared = s.overall.rates()
+    assert shared[0] > 0.9 and shared[1] > 0.85
+    assert s.acceptance["r"].rates(shared)[1] > 0.85
+
+
+def test_a_depth_past_a_dear_step_is_priced_at_the_cheapest_step_seen():
+    """CPU costs are staircases (here 48 → 60 → 93 ms for depths 0, 1, 2; depth 4 measured later
+    at 121): past the deepest measured depth the next one is priced at the cheapest step per depth
+    measured so far, so at acceptance 0.9 depth 3 is tried; where every step is dear it is not."""
+    table = {"1,0,0": 0.048, "1,1,1": 0.060, "1,2,2": 0.093}
+    d = decide([[0.9] * 8], 1, table, 8)
+    assert any(c["D"] == 3 and abs(c["cost"] - 0.105) < 1e-9 for c in d["candidates"])
+    assert d["budget"] == 3
+    linear = {"1,0,0": 0.048, "1,1,1": 0.080, "1,2,2": 0.112}
+    assert decide([[0.9] * 8], 1, linear, 8)["budget"] < 3

@@ -51,7 +51,9 @@ class Acceptance:
     request's own estimate takes the server-wide one as prior (SHARED_WEIGHT observations): it
     starts from what the server has seen and goes its own way as its text shows, but a few
     unlucky cycles do not make it look worse than the draft is, which would stop it drafting
-    (and so observing) for good.
+    (and so observing) for good. For the same reason a position a cycle did not try loses weight
+    as one it tried would: an unlucky early estimate of a deep position drifts back to its prior
+    while the drafts stay shallow, instead of keeping them shallow for good.
     """
 
     def __init__(self, max_positions: int):
@@ -60,9 +62,10 @@ class Acceptance:
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
-        for j in range(min(n + 1, k, len(self.tried))):
+        tried = min(n + 1, k)
+        for j in range(len(self.tried)):
             self.accepted[j] = self.accepted[j] * DECAY + (j < n)
-            self.tried[j] = self.tried[j] * DECAY + 1
+            self.tried[j] = self.tried[j] * DECAY + (j < tried)
 
     def rates(self, shared: Sequence[float] | None = None) -> list[float]:
         """Estimates per position; `shared`: the server-wide ones, as this request's prior."""
@@ -103,11 +106,11 @@ class CostModel:
     the deepest draft, so D, not B, drives most of a round's cost: an unmeasured cell is
     interpolated along B among cells of its own (N, D), else along D from the cheapest cell of
     each measured depth; beyond the deepest measured depth it is taken from the nearest other N
-    that measured it, scaled by the two plain rounds' ratio, else extrapolated at the slope between
-    the two deepest drafting depths, or, with one drafting depth measured, optimistically at
-    PRIOR_SLOPE × the plain round's cost per depth (the first depth's jump is mostly the fixed
-    cost of drafting at all), so that a deeper draft gets tried once and then priced by its own
-    measurement. Noise is bounded where the work is known to be ordered (see `estimate`), and a
+    that measured it, scaled by the two plain rounds' ratio, else extrapolated optimistically: at
+    the cheapest step per depth measured so far (costs are staircases: the depth after a dear one
+    can be nearly free), or, with one drafting depth measured, at PRIOR_SLOPE × the plain round's
+    cost per depth (the first depth's jump is mostly the fixed cost of drafting at all), so that a
+    deeper draft that might pay gets tried and is then priced by its own measurement. Noise is bounded where the work is known to be ordered (see `estimate`), and a
     measurement expires after MAX_AGE timed rounds, so a cell priced under another load is
     measured afresh.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
@@ -250,10 +253,9 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
         return _along(by_depth, d)
     if d > deepest and (scaled := _from_other_n(table, n, d)) is not None:
         return scaled
-    drafting = sorted(x for x in by_depth if 1 <= x < deepest)
-    if drafting:  # the slope between the two deepest drafting depths (the first depth's jump excluded)
-        prev = drafting[-1]
-        slope = max(0.0, (by_depth[deepest] - by_depth[prev]) / (deepest - prev))
+    depths = sorted(by_depth)
+    if sum(x >= 1 for x in depths) >= 2:  # the cheapest step per depth measured so far
+        slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
     else:
         slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
     return by_depth[deepest] + slope * (d - deepest)

@@ -121,13 +121,14 @@ def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 class ControlledDrafter(Drafter):
     """Benchmark only, never served: runs the real draft forward (so drafting and draft recovery
     cost what they cost) but proposes the target's known greedy continuation with probability
-    alpha(position) and a wrong token otherwise."""
+    alpha(position) and a wrong token otherwise. Whether a position is proposed right depends
+    only on (seed, position): runs with one seed meet the same hard tokens whatever their budget
+    (common random numbers), so comparisons between budgets are not blurred by the draws."""
 
     def __init__(self, model, reference: list[int], alpha: Callable[[int], float], vocab_size: int,
                  seed: int = 0, **kw):
         super().__init__(model, **kw)
-        self.reference, self.alpha, self.vocab_size = reference, alpha, vocab_size
-        self.rng = random.Random(seed)
+        self.reference, self.alpha, self.vocab_size, self.seed = reference, alpha, vocab_size, seed
 
     def choose(self, logits, position, params, key_fn):
         # the token depends on the logits, so the forward really runs, lazily, as a real draft's would
@@ -135,4 +136,5 @@ class ControlledDrafter(Drafter):
 
     def pick(self, position: int) -> int:
         ref = self.reference[position] if position < len(self.reference) else 0
-        return ref if self.rng.random() < self.alpha(position) else (ref + 1) % self.vocab_size
+        hit = random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
+        return ref if hit else (ref + 1) % self.vocab_size
