@@ -274,3 +274,16 @@ def test_a_depth_past_a_dear_step_is_priced_at_the_cheapest_step_seen():
     assert d["budget"] == 3
     linear = {"1,0,0": 0.048, "1,1,1": 0.080, "1,2,2": 0.112}
     assert decide([[0.9] * 8], 1, linear, 8)["budget"] < 3
+
+
+def test_starting_to_draft_pays_the_drafts_catch_up():
+    """A draft that sat out must first catch up: spread over SWITCH_HORIZON rounds, that once-off
+    cost keeps a near-tie from starting to draft, and does not count once the draft keeps up."""
+    table, counts = {"1,0,0": 0.010, "1,1,1": 0.011}, {"1,0,0": 9, "1,1,1": 9}
+    assert decide([[0.2]], 1, table, 8, counts=counts)["budget"] == 1
+    assert decide([[0.2]], 1, table, 8, counts=counts, behind=[True], switch_s=0.05)["budget"] == 0
+    assert decide([[0.2]], 1, table, 8, counts=counts, behind=[False], switch_s=0.05)["budget"] == 1
+    assert decide([[0.9]], 1, table, 8, counts=counts, behind=[True], switch_s=0.05)["budget"] >= 1
+    two = decide([[0.2], [0.3]], 2, {"2,0,0": 0.010, "2,1,1": 0.011}, 8, counts={"2,0,0": 9, "2,1,1": 9},
+                 behind=[True, False], switch_s=0.05)
+    assert two["allocation"] == [0, 1]  # the request whose draft keeps up drafts; the other waits

@@ -220,7 +220,8 @@ class Engine:
         """One decode round: a token for each baseline request, a cycle for each joint one, with
         draft lengths from the scheduler; the round's time feeds its cost model."""
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
-        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active))):
+        behind = [r.decoder.decoder.draft_behind for r in joint]
+        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active), behind)):
             r.decoder.budget = k
         # a prefill is no decode round; nor is one that pays a switching cost
         batching = self.config.batch_verify and len(joint) > 1

@@ -89,6 +89,7 @@ CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a pro
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
 PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
+SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -265,13 +266,17 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
 
 
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
-           probe: bool = False, counts: dict[str, int] | None = None) -> dict:
+           probe: bool = False, counts: dict[str, int] | None = None,
+           behind: Sequence[bool] | None = None, switch_s: float = 0.0) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
     deeper than one past the deepest measured depth, or whose cost cannot be estimated, are
-    skipped; B = 0 is always a candidate. With `probe`, a
-    round that would draft nothing drafts one token so acceptance keeps being observed.
+    skipped; B = 0 is always a candidate. An allocation that drafts for a request whose draft is
+    `behind` (it must first catch up on the prompt or on the cycles it sat out) pays that once:
+    `switch_s` spread over SWITCH_HORIZON rounds is added to its cost, so noise in a near-tie
+    does not start drafting that costs more to start than it gains. With `probe`, a round that
+    would draft nothing drafts one token so acceptance keeps being observed.
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
@@ -291,7 +296,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:
-            candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / cost})
+            switching = switch_s / SWITCH_HORIZON if behind and any(k and x for k, x in zip(lengths, behind)) else 0.0
+            candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / (cost + switching)})
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
     if probe and budget == 0 and surv:
@@ -332,8 +338,9 @@ class Scheduler:
         self._round: tuple[int, int, int] | None = None
         self._log = open(log_path, "a", buffering=1) if log_path else None
 
-    def plan(self, joint_ids: list[str], n_requests: int) -> list[int]:
-        """Draft length for each joint request of this round (n_requests counts baseline ones)."""
+    def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None) -> list[int]:
+        """Draft length for each joint request of this round (n_requests counts baseline ones);
+        `behind`: whose draft would first have to catch up (see `decide`)."""
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
         if self.fixed is not None:
@@ -344,12 +351,15 @@ class Scheduler:
             table, counts = self.cost.table(), self.cost.counts()
             every = probe_interval(table, n_requests, counts, self.cost.catch_up_seconds(n_requests))
             probe = self.rounds_without_draft >= every
-            d = decide(rates, n_requests, table, self.b_max, probe, counts)
+            behind = list(behind or [False] * len(joint_ids))
+            switch_s = (self.cost.catch_up_seconds(n_requests) or 0.0) if any(behind) else 0.0
+            d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s)
             lengths = d["allocation"]
             if self._log:
                 self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                             "b_max": self.b_max, "probe": probe, "acceptance": rates,
-                                            "cost_table": table, "cost_counts": counts, **d}) + "\n")
+                                            "cost_table": table, "cost_counts": counts, "behind": behind,
+                                            "switch_s": switch_s, **d}) + "\n")
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         self._round = (n_requests, drafted, max(lengths, default=0))
@@ -390,7 +400,7 @@ def replay(lines: Sequence[str]) -> list[str]:
             continue
         rec = json.loads(line)
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
-                     rec.get("cost_counts"))
+                     rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")

@@ -162,6 +162,11 @@ class JointDecoder:
         return len(self.drafter.consumed) < self.prompt_len
 
     @property
+    def draft_behind(self) -> bool:
+        """Drafting now would first pay a catch-up: the prompt, or the cycles the draft sat out."""
+        return self.draft_lacks_prompt or self.draft_lag > CATCH_UP_LAG
+
+    @property
     def draft_lag(self) -> int:
         """Tokens the draft must feed before its first proposal: at most 2 while it drafts every
         cycle, one more for each cycle it sat out."""
