@@ -39,8 +39,6 @@ def allocate(survival: Sequence[Sequence[float]], budget: int) -> list[int]:
 PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
 FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
-SHARED_DECAY = 0.99  # per observation of the server-wide estimate: every request feeds it, so it
-                     # sees several cycles a round; at 0.95 it would rest on a few rounds' luck
 SHARED_WEIGHT = 8.0  # pseudo-observations of the server-wide estimate in each request's own
 
 
@@ -55,22 +53,19 @@ class Acceptance:
     unlucky cycles do not make it look worse than the draft is, which would stop it drafting
     (and so observing) for good. For the same reason a position a cycle did not try loses weight
     as one it tried would: an unlucky early estimate of a deep position drifts back to its prior
-    while the drafts stay shallow, instead of keeping them shallow for good. `decay` weighs
-    the positions a cycle tried, DECAY the others.
+    while the drafts stay shallow, instead of keeping them shallow for good.
     """
 
-    def __init__(self, max_positions: int, decay: float = DECAY):
+    def __init__(self, max_positions: int):
         self.accepted = [0.0] * max_positions
         self.tried = [0.0] * max_positions
-        self.decay = decay
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
         tried = min(n + 1, k)
         for j in range(len(self.tried)):
-            keep = self.decay if j < tried else DECAY
-            self.accepted[j] = self.accepted[j] * keep + (j < n)
-            self.tried[j] = self.tried[j] * keep + (j < tried)
+            self.accepted[j] = self.accepted[j] * DECAY + (j < n)
+            self.tried[j] = self.tried[j] * DECAY + (j < tried)
 
     def rates(self, shared: Sequence[float] | None = None) -> list[float]:
         """Estimates per position; `shared`: the server-wide ones, as this request's prior."""
@@ -337,7 +332,7 @@ class Scheduler:
         self.fixed, self.b_max = fixed, b_max
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
-        self.overall = Acceptance(POSITIONS, SHARED_DECAY)  # every request's cycles: each request's prior
+        self.overall = Acceptance(POSITIONS)  # every request's cycles: each request's prior
         self.rounds = 0
         self.rounds_without_draft = 0
         self._round: tuple[int, int, int] | None = None

@@ -23,7 +23,7 @@ from worker.spec.draft import Drafter
 from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 
 RECOVERY_PATHS = ("fast", "replay")
-CATCH_UP_LAG = 2  # a draft feeds at most this many tokens a cycle while it drafts every cycle; more: catching up
+CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
 
 
 def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: bool = False) -> str:
