@@ -148,8 +148,9 @@ def test_joint_metrics_and_stop_inside_accepted_tokens(pairs):
     assert outs["joint"]["tokens"] == outs["baseline"]["tokens"]
     jm = outs["joint"]["fin"].metrics
     assert jm.mode == "joint" and jm.draft and jm.drafted >= jm.accepted > 0 and jm.cycles < 20
-    assert jm.budget_mean == pytest.approx(4.0) and jm.completion_tokens == 20
-    # max_tokens inside a cycle's accepted tokens: the cycle is cut and the state recovered
+    # every cycle drafts 4 and emits 5, but the last one: with 4 tokens left it drafts 3
+    assert jm.budget_mean == pytest.approx((4 * (jm.cycles - 1) + 3) / jm.cycles) and jm.completion_tokens == 20
+    # a cycle's drafts are capped at the tokens left, so max_tokens ends the request on a cycle's end
     eng.submit("cut", m.GenerateRequest(**{**_fields(base), "mode": "joint", "max_tokens": 7}))
     while eng.has_work():
         eng.step()
@@ -269,6 +270,27 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
         out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("draft prefill") == 1 and reasons.count("draft catch-up") == 1
-    assert reasons.count("plain pipeline start") == 1
-    counts = eng.scheduler.cost.counts()
+    assert reasons.count("plain pipeline start") == 2  # the sat-out rounds' first, and the last cycle's:
+    counts = eng.scheduler.cost.counts()               # with one token left it has no room to draft
     assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 1 and len(out) == 24
+
+
+def test_a_cycle_drafts_no_more_than_the_request_can_still_emit(pairs):
+    """With 3 tokens left a cycle can use at most 2 drafts (it adds one token of its own): the
+    engine caps fixed k there, and the output is still the baseline's."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=4, temperature=0.0,
+                            mode="joint", ignore_eos=True)
+    eng = Engine(pair.target, EngineConfig(draft_budget=4), pair.drafts["perturbed"])
+    eng.submit("a", req)
+    out = []
+    while eng.has_work():
+        out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
+    shapes = list(eng.scheduler.cost.cells) + [key for key, *_ in eng.scheduler.cost.set_apart]
+    assert max(d for _, _, d in shapes) == 2 and 1 <= eng.totals.joint.drafted <= 3
+    base = Engine(pair.target, EngineConfig(), pair.drafts["perturbed"])
+    base.submit("b", m.GenerateRequest(messages=req.messages, max_tokens=4, temperature=0.0, ignore_eos=True))
+    ref = []
+    while base.has_work():
+        ref += [t for e in base.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
+    assert out == ref and len(out) == 4

@@ -214,13 +214,14 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 differences" in r.stderr
     lines = log.read_text().splitlines()
-    rec = json.loads(lines[-1])
+    i = max(i for i, line in enumerate(lines) if any(json.loads(line)["acceptance"][:1]))  # the last that could draft
+    rec = json.loads(lines[i])
     rec["acceptance"][0][0] = 0.01 if rec["acceptance"][0][0] > 0.5 else 0.99
     rec["cost_table"] = {k: v * (3.0 if k.split(",")[1] != "0" else 1.0) for k, v in rec["cost_table"].items()}
     altered = tmp_path / "altered.jsonl"
-    altered.write_text("\n".join(lines[:-1] + [json.dumps(rec)]) + "\n")
+    altered.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
     r = subprocess.run([*verity, str(altered)], capture_output=True, text=True)
-    assert r.returncode == 1 and f"line {len(lines)}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and f"line {i + 1}" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_few_unlucky_cycles_do_not_stop_a_request_drafting():
@@ -287,3 +288,20 @@ def test_starting_to_draft_pays_the_drafts_catch_up():
     two = decide([[0.2], [0.3]], 2, {"2,0,0": 0.010, "2,1,1": 0.011}, 8, counts={"2,0,0": 9, "2,1,1": 9},
                  behind=[True, False], switch_s=0.05)
     assert two["allocation"] == [0, 1]  # the request whose draft keeps up drafts; the other waits
+
+
+def test_no_request_drafts_past_its_remaining_tokens():
+    """A cycle emits its accepted drafts and one more token, so a request with r tokens left can
+    use at most r - 1 drafts: fixed k and the adaptive allocation are both capped there."""
+    fixed = Scheduler(fixed=4)
+    assert fixed.plan(["a", "b"], 2, room=[2, 0]) == [2, 0]
+    assert fixed.plan(["a"], 1) == [4]
+    s = Scheduler()
+    table = {"2,0,0": 0.010, "2,2,1": 0.0105, "2,4,2": 0.011, "2,8,4": 0.012}
+    s.cost.cells = {tuple(map(int, k.split(","))): [(1, v)] * 9 for k, v in table.items()}
+    for _ in range(40):
+        s.observe_cycle("a", 4, 4)
+        s.observe_cycle("b", 4, 4)
+    free = s.plan(["a", "b"], 2)
+    assert min(free) >= 3
+    assert s.plan(["a", "b"], 2, room=[1, 0]) == [1, 0]

@@ -221,7 +221,8 @@ class Engine:
         draft lengths from the scheduler; the round's time feeds its cost model."""
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         behind = [r.decoder.decoder.draft_behind for r in joint]
-        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active), behind)):
+        room = [self._draft_room(r) for r in joint]
+        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active), behind, room)):
             r.decoder.budget = k
         # a prefill is no decode round; nor is one that pays a switching cost
         batching = self.config.batch_verify and len(joint) > 1
@@ -250,6 +251,11 @@ class Engine:
                 r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
                 self._release(r)
         self.scheduler.observe_round(time.perf_counter() - t0, complete, reason or ("" if complete else "prefill or error"))
+
+    def _draft_room(self, r: _Request) -> int:
+        """Draft tokens a cycle of r can still use: a cycle emits its accepted drafts and one more."""
+        left = min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
+        return max(0, left - 1)
 
     def _batched_cycles(self, joint: list, events: list) -> dict[str, list[int]]:
         """One cycle for every started joint request in batched forwards; {id: emitted tokens}."""

@@ -221,7 +221,7 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     sched = scheduler or Scheduler(fixed=k)
     t0 = time.perf_counter()
     while len(out) < n:
-        budget = sched.plan(["r"], 1, [jd.draft_behind])[0]
+        budget = sched.plan(["r"], 1, [jd.draft_behind], [n - len(out) - 1])[0]
         untimed = switching_cost([jd], [budget])  # not a cost sample
         t = time.perf_counter()
         emitted = jd.cycle(budget)

@@ -300,7 +300,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
             candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / (cost + switching)})
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
-    if probe and budget == 0 and surv:
+    if probe and budget == 0 and ranked:
         budget = 1
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
 
@@ -338,16 +338,19 @@ class Scheduler:
         self._round: tuple[int, int, int] | None = None
         self._log = open(log_path, "a", buffering=1) if log_path else None
 
-    def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None) -> list[int]:
+    def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
+             room: Sequence[int] | None = None) -> list[int]:
         """Draft length for each joint request of this round (n_requests counts baseline ones);
-        `behind`: whose draft would first have to catch up (see `decide`)."""
+        `behind`: whose draft would first have to catch up (see `decide`); `room`: the most
+        drafts each request's cycle can still use (its remaining tokens less the one a cycle adds)."""
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
+        caps = list(room) if room is not None else [None] * len(joint_ids)
         if self.fixed is not None:
-            lengths = [self.fixed] * len(joint_ids)
+            lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
         else:
             shared = self.overall.rates()
-            rates = [self._acceptance(i).rates(shared) for i in joint_ids]
+            rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
             table, counts = self.cost.table(), self.cost.counts()
             every = probe_interval(table, n_requests, counts, self.cost.catch_up_seconds(n_requests))
             probe = self.rounds_without_draft >= every
