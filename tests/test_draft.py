@@ -165,6 +165,7 @@ async def test_launch_stack_serves_the_embedded_pair():
             base, joint = await complete({}), await complete({"mode": "joint"})
     assert joint["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]
     jm = joint["metrics"]
-    assert jm["mode"] == "joint" and jm["draft"].startswith(f"{DRAFT_ID}@") and jm["budget_mean"] == 1.0
+    assert jm["mode"] == "joint" and jm["draft"].startswith(f"{DRAFT_ID}@")
+    assert jm["cycles"] - 1 <= jm["budget_mean"] * jm["cycles"] <= jm["cycles"]  # k = 1; the last cycle may have no room
     assert jm["drafted"] >= 10 and jm["accepted"] > 0
     assert s.exit_code == 0

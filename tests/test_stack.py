@@ -283,7 +283,9 @@ async def test_joint_over_http_equals_baseline(tiny_llama, tmp_path):
             _, joint, _ = await post(s.url, {**body, "mode": "joint"}, headers={})
             assert joint["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]
             jm = joint["metrics"]
-            assert jm["mode"] == "joint" and jm["draft"].startswith("draft@") and jm["budget_mean"] == 3.0
+            assert jm["mode"] == "joint" and jm["draft"].startswith("draft@")
+            # k = 3, but a cycle drafts no more than the tokens left allow: at most the last 3 cycles draft less
+            assert 3 * (jm["cycles"] - 3) <= jm["budget_mean"] * jm["cycles"] <= 3 * jm["cycles"]
             assert jm["drafted"] > jm["accepted"] > 0 and jm["rollbacks"] > 0 and jm["cycles"] < 24
             events = await stream_events(s.url, {**body, "mode": "joint"})
             final = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][0]
