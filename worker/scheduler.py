@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections import deque
 from typing import Sequence
 
 
@@ -39,43 +41,55 @@ def allocate(survival: Sequence[Sequence[float]], budget: int) -> list[int]:
 PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
 FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
+LONG_DECAY = 0.998  # per observation: what the draft shows over the long run
 SHARED_WEIGHT = 8.0  # pseudo-observations of the server-wide estimate in each request's own
 
 
 class Acceptance:
     """Conditional acceptance per draft position from decayed counts with a Beta prior.
 
-    The server-wide estimate (every request's cycles) takes as prior mean the previous position's
-    estimate (position 1: 0.5): an untried deeper position is taken to be like the one before it,
-    so a draft that is good at shallow positions gets tried deeper, and a bad one does not. A
-    request's own estimate takes the server-wide one as prior (SHARED_WEIGHT observations): it
-    starts from what the server has seen and goes its own way as its text shows, but a few
-    unlucky cycles do not make it look worse than the draft is, which would stop it drafting
-    (and so observing) for good. For the same reason a position a cycle did not try loses weight
-    as one it tried would: an unlucky early estimate of a deep position drifts back to its prior
-    while the drafts stay shallow, instead of keeping them shallow for good.
+    Three levels. The long-run estimate (every cycle the server ran, decaying at LONG_DECAY)
+    takes as prior mean the previous position's estimate (position 1: 0.5): an untried deeper
+    position is taken to be like the one before it, so a draft that is good at shallow positions
+    gets tried deeper, and a bad one does not. The server-wide estimate (DECAY: it follows the
+    text as it changes) takes the long-run one as prior, and a request's own estimate takes the
+    server-wide one as prior (SHARED_WEIGHT observations): it starts from what the server has seen
+    and goes its own way as its text shows, but a few unlucky cycles do not make it look worse
+    than the draft is. For the same reason counts fade without being added to where nothing was
+    tried: a position a cycle did not try (at DECAY, even in the long-run estimate), and every
+    position in a round that drafted nothing (`fade`), so an estimate that an unlucky spell pushed below the point where drafting pays
+    drifts back to what the draft has shown over the long run, and drafting is tried again,
+    instead of stopping for good (no drafts, no observations).
     """
 
-    def __init__(self, max_positions: int):
+    def __init__(self, max_positions: int, decay: float = DECAY):
         self.accepted = [0.0] * max_positions
         self.tried = [0.0] * max_positions
+        self.decay = decay
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
         tried = min(n + 1, k)
         for j in range(len(self.tried)):
-            self.accepted[j] = self.accepted[j] * DECAY + (j < n)
-            self.tried[j] = self.tried[j] * DECAY + (j < tried)
+            decay = self.decay if j < tried else min(self.decay, DECAY)  # untried: fades as fast at every level
+            self.accepted[j] = self.accepted[j] * decay + (j < n)
+            self.tried[j] = self.tried[j] * decay + (j < tried)
 
-    def rates(self, shared: Sequence[float] | None = None) -> list[float]:
-        """Estimates per position; `shared`: the server-wide ones, as this request's prior."""
-        out, prior = [], FIRST_PRIOR
+    def fade(self) -> None:
+        """A round without drafts: what was seen weighs less, nothing new is added."""
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.tried = [t * self.decay for t in self.tried]
+
+    def rates(self, prior: Sequence[float] | None = None, weight: float = SHARED_WEIGHT) -> list[float]:
+        """Estimates per position; `prior`: the level above's, worth `weight` observations (none:
+        the previous position's estimate, worth PRIOR_WEIGHT)."""
+        out, mean = [], FIRST_PRIOR
         for j, (a, t) in enumerate(zip(self.accepted, self.tried)):
-            if shared is None:
-                prior = (a + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
+            if prior is None:
+                mean = (a + PRIOR_WEIGHT * mean) / (t + PRIOR_WEIGHT)
             else:
-                prior = (a + SHARED_WEIGHT * shared[j]) / (t + SHARED_WEIGHT)
-            out.append(prior)
+                mean = (a + weight * prior[j]) / (t + weight)
+            out.append(mean)
         return out
 
 
@@ -90,6 +104,7 @@ MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its nei
 PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
 PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
+SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -111,9 +126,10 @@ class CostModel:
     the cheapest step per depth measured so far (costs are staircases: the depth after a dear one
     can be nearly free), or, with one drafting depth measured, at PRIOR_SLOPE × the plain round's
     cost per depth (the first depth's jump is mostly the fixed cost of drafting at all), so that a
-    deeper draft that might pay gets tried and is then priced by its own measurement. Noise is bounded where the work is known to be ordered (see `estimate`), and a
-    measurement expires after MAX_AGE timed rounds, so a cell priced under another load is
-    measured afresh.
+    deeper draft that might pay gets tried and is then priced by its own measurement. Noise is
+    bounded where the work is known to be ordered (see `estimate`). A measurement expires after
+    MAX_AGE timed rounds; a drafting cell none of whose rounds is left is then priced by its
+    ratio to the plain round (see `_live`), so its figure follows a change of load.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
     """
@@ -122,9 +138,10 @@ class CostModel:
 
     def __init__(self):
         self.cells: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # (round, seconds)
+        self.ratios: dict[tuple[int, int, int], list[float]] = {}  # seconds ÷ the plain round's median then
         self.rounds = 0
         self.pending: tuple | None = None
-        self.set_apart: list[tuple] = []  # interrupted, partial or stalled rounds
+        self.set_apart: deque = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
 
     def observe(self, key: tuple[int, int, int], seconds: float) -> None:
         self.commit()
@@ -147,6 +164,11 @@ class CostModel:
             return
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
+        plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - MAX_AGE]
+        if key[1] and plain:
+            ratios = self.ratios.setdefault(key, [])
+            ratios.append(seconds / _median(plain))
+            del ratios[:-WINDOW]
 
     def catch_up_seconds(self, n: int) -> float | None:
         """Median of the last WINDOW rounds of n requests set apart as a draft catching up (on
@@ -155,8 +177,21 @@ class CostModel:
         return _median(xs) if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
+        """Each cell's unexpired rounds; a drafting cell whose rounds all expired keeps its ratio to
+        the plain round measured alongside, times the plain round's median now (its figure follows
+        the machine's load; forgotten, it would be priced as unmeasured, optimistically, and a
+        drafting round 4× as dear as plain was tried again after every MAX_AGE rounds)."""
         live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
+        for key, v in live.items():
+            plain = live.get((key[0], 0, 0))
+            if not v and plain and self.ratios.get(key):
+                live[key] = [x * _median(plain) for x in self.ratios[key]]
         return {key: v for key, v in live.items() if v}
+
+    def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
+        live = self._live()
+        return ({f"{n},{b},{d}": _median(v) for (n, b, d), v in live.items()},
+                {f"{n},{b},{d}": len(v) for (n, b, d), v in live.items()})
 
     def table(self) -> dict[str, float]:
         """Medians of the cells' unexpired rounds, keyed "N,B,D" (what decisions are logged with)."""
@@ -323,6 +358,8 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
 
 POSITIONS = 8  # deepest draft of one request
 DEFAULT_B_MAX = 16  # drafted tokens in one round, all requests together
+DECISION_SHARE = 0.01  # a decision may cost this share of the rounds it governs ...
+MAX_HOLD = 16  # ... so where rounds take a few ms, one decision governs up to this many rounds
 
 
 class Scheduler:
@@ -333,10 +370,14 @@ class Scheduler:
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
         self.overall = Acceptance(POSITIONS)  # every request's cycles: each request's prior
+        self.longrun = Acceptance(POSITIONS, LONG_DECAY)  # the same over the long run: overall's prior
         self.rounds = 0
         self.rounds_without_draft = 0
         self._round: tuple[int, int, int] | None = None
         self._log = open(log_path, "a", buffering=1) if log_path else None
+        self._held: tuple[list[str], list[int]] | None = None  # the last decision: (requests, lengths)
+        self._hold_left = 0  # rounds it still governs
+        self._probe_every = PROBE_EVERY
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None) -> list[int]:
@@ -348,30 +389,72 @@ class Scheduler:
         caps = list(room) if room is not None else [None] * len(joint_ids)
         if self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
-        else:
-            shared = self.overall.rates()
-            rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
-            table, counts = self.cost.table(), self.cost.counts()
-            every = probe_interval(table, n_requests, counts, self.cost.catch_up_seconds(n_requests))
-            probe = self.rounds_without_draft >= every
-            behind = list(behind or [False] * len(joint_ids))
-            switch_s = (self.cost.catch_up_seconds(n_requests) or 0.0) if any(behind) else 0.0
-            d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s)
-            lengths = d["allocation"]
+        elif self._held and self._held[0] == joint_ids and self._hold_left > 0 \
+                and (self.rounds_without_draft < self._probe_every or any(self._held[1])):
+            self._hold_left -= 1
+            lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
             if self._log:
-                self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
-                                            "b_max": self.b_max, "probe": probe, "acceptance": rates,
-                                            "cost_table": table, "cost_counts": counts, "behind": behind,
-                                            "switch_s": switch_s, **d}) + "\n")
+                self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "held": True,
+                                            "allocation": lengths}) + "\n")
+        else:
+            t0 = time.perf_counter()
+            d = self._decide(joint_ids, n_requests, behind, caps)
+            lengths = d["allocation"]
+            self._held = (list(joint_ids), lengths)
+            self._hold_left = self._hold_rounds(d, time.perf_counter() - t0)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
+        if self.fixed is None:
+            self._fade(joint_ids, lengths)
         self._round = (n_requests, drafted, max(lengths, default=0))
         return lengths
+
+    def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
+                caps: list[int | None]) -> list[int]:
+        shared = self.shared_rates()
+        rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
+        table, counts = self.cost.table_and_counts()
+        catch_up = self.cost.catch_up_seconds(n_requests)
+        self._probe_every = probe_interval(table, n_requests, counts, catch_up)
+        probe = self.rounds_without_draft >= self._probe_every
+        behind = list(behind or [False] * len(joint_ids))
+        switch_s = (catch_up or 0.0) if any(behind) else 0.0
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s)
+        if self._log:
+            self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
+                                        "b_max": self.b_max, "probe": probe, "acceptance": rates,
+                                        "cost_table": table, "cost_counts": counts, "behind": behind,
+                                        "switch_s": switch_s, **d}) + "\n")
+        d["probe"] = probe
+        return d
+
+    @staticmethod
+    def _hold_rounds(d: dict, decide_s: float) -> int:
+        """Further rounds a decision governs: none where a round costs much more than deciding
+        (the embedded model's 50 ms), up to MAX_HOLD where it does not (a tiny model's 2 ms round
+        against 0.1-0.2 ms of Python), judged by the chosen round's estimated cost. A probe is one
+        round; a new or finished request or a due probe ends a hold; room caps apply every round."""
+        if d["probe"]:
+            return 0
+        cost = next(c["cost"] for c in d["candidates"] if c["B"] == d["budget"])
+        return min(MAX_HOLD, int(decide_s / (DECISION_SHARE * cost)))
+
+    def shared_rates(self) -> list[float]:
+        """The server-wide estimate, on the long-run one as its prior (each request's prior)."""
+        return self.overall.rates(self.longrun.rates(), PRIOR_WEIGHT)
+
+    def _fade(self, joint_ids: list[str], lengths: list[int]) -> None:
+        for rid, k in zip(joint_ids, lengths):
+            if not k:
+                self._acceptance(rid).fade()
+        if joint_ids and not any(lengths):
+            self.overall.fade()
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         if k:
             self._acceptance(request_id).observe(k, n)
             self.overall.observe(k, n)
+            self.longrun.observe(k, n)
 
     def observe_round(self, seconds: float, complete: bool, reason: str = "") -> None:
         if self._round is None:
@@ -402,6 +485,8 @@ def replay(lines: Sequence[str]) -> list[str]:
         if not line.strip():
             continue
         rec = json.loads(line)
+        if rec.get("held"):
+            continue  # a round the previous decision governed (Scheduler._hold_rounds)
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
                      rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0))
         for key in ("survival", "candidates", "budget", "allocation"):
