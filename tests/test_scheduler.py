@@ -255,7 +255,7 @@ def test_new_requests_start_from_what_the_server_has_seen():
     s.forget("old")
     fresh = s._acceptance("new").rates(s.shared_rates())
     assert fresh[0] < 0.25  # not the 0.5 of the bare prior
-    for _ in range(10):
+    for _ in range(15):
         s.observe_cycle("new", 2, 2)  # this request's own text is easy: it soon goes its own way
     assert s.acceptance["new"].rates(s.shared_rates())[0] > 0.6
 
