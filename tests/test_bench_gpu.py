@@ -57,3 +57,16 @@ def test_fused_layers_compute_what_eager_layers_compute():
     for recovery in ("fast", "replay"):
         run = gb.joint_decode(target, fused, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
         assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24
+
+
+def test_a_quantized_model_reports_its_logical_parameter_count():
+    """4-bit weights pack 8 parameters into each uint32: the bench's table names the model's size,
+    not the number of packed elements (a 4-bit 9 B target once read "1.40 B")."""
+    import mlx.core as mx
+
+    from worker import gpu_bench as gb
+
+    cfg = dict(gb.TARGET_9B, **gb.SMALL)
+    plain, packed = gb.build(cfg, mx.float32, 0), gb.build(cfg, mx.float32, 0, bits=4)
+    assert gb.n_params(packed) == gb.n_params(plain)
+    assert gb.bytes_per_token(packed, cfg) < gb.bytes_per_token(plain, cfg) / 4

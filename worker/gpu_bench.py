@@ -53,15 +53,17 @@ def build(config: dict, dtype=mx.bfloat16, seed: int = 0, bits: Optional[int] = 
     mx.random.seed(seed)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": config}))
     model.set_dtype(dtype)
+    n = n_params(model)
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
+    model.logical_params = n  # packed quantized weights count 32 / bits parameters an element
     st.install_recording(model)
     return model
 
 
 def n_params(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    return getattr(model, "logical_params", None) or sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
 def bytes_per_token(model, config: dict) -> int:
