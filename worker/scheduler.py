@@ -399,11 +399,10 @@ class Scheduler:
                 self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "held": True,
                                             "allocation": lengths}) + "\n")
         else:
-            t0 = time.perf_counter()
             d = self._decide(joint_ids, n_requests, behind, caps)
             lengths = d["allocation"]
             self._held = (list(joint_ids), lengths)
-            self._hold_left = self._hold_rounds(d, time.perf_counter() - t0)
+            self._hold_left = self._hold_rounds(d, d["decide_s"])
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         if self.fixed is None:
@@ -412,7 +411,9 @@ class Scheduler:
         return lengths
 
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
-                caps: list[int | None]) -> list[int]:
+                caps: list[int | None]) -> dict:
+        """The rule's decision, logged; "decide_s": what deciding took (logging aside)."""
+        t0 = time.perf_counter()
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
@@ -422,12 +423,13 @@ class Scheduler:
         behind = list(behind or [False] * len(joint_ids))
         switch_s = (catch_up or 0.0) if any(behind) else 0.0
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s)
+        decide_s = time.perf_counter() - t0
         if self._log:
             self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
                                         "switch_s": switch_s, **d}) + "\n")
-        d["probe"] = probe
+        d["probe"], d["decide_s"] = probe, decide_s
         return d
 
     @staticmethod
