@@ -26,7 +26,6 @@ def run_gpu(args: argparse.Namespace) -> int:
     from worker import CUDA_GRAPH_ENV
     from worker import gpu_bench as gb
     from worker.scheduler import Scheduler
-    from worker.spec.fused import set_fused
 
     dtype = gb.DTYPES[args.dtype]
     tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
@@ -43,9 +42,9 @@ def run_gpu(args: argparse.Namespace) -> int:
     prompt = list(range(1, args.prompt_tokens + 1))
     reps = args.repeats * 3
     fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
-    for mode in ("eager", "fused"):  # side by side; the rest of the run uses --fused's choice
-        set_fused(target, mode == "fused")
-        set_fused(draft, mode == "fused")
+    for mode in gb.MODES:  # side by side; the rest of the run uses --mode's choice
+        gb.set_mode(target, mode)
+        gb.set_mode(draft, mode)
         fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
         fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
         gb.plain_decode(target, prompt, 8)  # warm-up
@@ -53,9 +52,9 @@ def run_gpu(args: argparse.Namespace) -> int:
                                                 for _ in range(args.repeats))[args.repeats // 2]
         progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f}), "
                  f"plain {fig['plain_tps_by_mode'][mode]:.1f} tok/s")
-    fig["mode"] = "fused" if args.fused else "eager"
-    set_fused(target, args.fused)
-    set_fused(draft, args.fused)
+    fig["mode"] = args.mode
+    gb.set_mode(target, args.mode)
+    gb.set_mode(draft, args.mode)
     plain = fig["plain_tps_by_mode"][fig["mode"]]
     reference = gb.greedy_reference(target, prompt, args.tokens)
     bpt = gb.bytes_per_token(target, tcfg)
@@ -98,12 +97,12 @@ def run_gpu(args: argparse.Namespace) -> int:
         f"draft {fig['draft_params'] / 1e9:.2f} B params ({args.dtype}{', ' + str(args.bits) + '-bit' if args.bits else ''}); "
         + " ".join(f"{k}={v}" for k, v in fig["env"].items()),
         f"plain decoding {plain:.1f} tok/s = {fig['plain_vs_roofline']:.0%} of the roofline {roof:.1f} tok/s "
-        f"({bpt / 1e9:.1f} GB a token); Gated-DeltaNet layers {fig['mode']} (eager/fused plain "
-        f"{fig['plain_tps_by_mode']['eager']:.1f}/{fig['plain_tps_by_mode']['fused']:.1f} tok/s)",
+        f"({bpt / 1e9:.1f} GB a token); forward {fig['mode']} (plain tok/s "
+        + ", ".join(f"{m} {v:.1f}" for m, v in fig["plain_tps_by_mode"].items()) + ")",
         f"target forward ms by tokens ({fig['mode']}): " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
         + "; recorded: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_recorded_ms"].items()),
-        "draft step ms eager/fused: {eager:.1f}/{fused:.1f}".format(**fig["draft_step_ms"])
-        + ", chained 4 on the device: {eager:.1f}/{fused:.1f}".format(**fig["draft_chain_step_ms"]),
+        "draft step ms " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_step_ms"].items())
+        + "; chained 4 on the device: " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_chain_step_ms"].items()),
         f"acceptance by {fig['acceptance_by']}; exact = runs whose tokens equal the target's own greedy tokens "
         "(forced acceptance emits accepted drafts, so there it is not expected)",
         f"goals: plain ≥ {GOALS['roofline']:.0%} of roofline: {fig['goals']['roofline']}; joint at α=0.8 (fast, best k) "
@@ -138,8 +137,9 @@ def add_command(benches) -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (a check on any device)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--bits", type=int, default=None, help="quantize weights (e.g. 4)")
-    p.add_argument("--fused", action="store_true",
-                   help="plain and joint runs with compiled Gated-DeltaNet layers (default: mlx-lm's eager layers)")
+    p.add_argument("--mode", choices=("eager", "fused", "static"), default="static",
+                   help="the forward of plain and joint runs: mlx-lm's eager layers, compiled Gated-DeltaNet layers, "
+                        "or the whole forward compiled on fixed-shape state (default; all three are measured side by side)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

@@ -14,8 +14,8 @@ def test_bench_gpu_small():
     assert fig["small"] and fig["plain_tps"] > 0 and fig["roofline_tps"] > 0
     assert set(fig["target_forward_ms"]) == {"1", "2", "4", "8", "16"}
     for figure in ("draft_step_ms", "draft_chain_step_ms", "plain_tps_by_mode"):  # eager and compiled, side by side
-        assert set(fig[figure]) == {"eager", "fused"} and min(fig[figure].values()) > 0
-    assert fig["mode"] == "eager" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
+        assert set(fig[figure]) == {"eager", "fused", "static"} and min(fig[figure].values()) > 0
+    assert fig["mode"] == "static" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
     configs = {(j["recovery"], j["config"]) for j in fig["joint"]}
     assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")}
     assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size
@@ -57,6 +57,56 @@ def test_fused_layers_compute_what_eager_layers_compute():
     for recovery in ("fast", "replay"):
         run = gb.joint_decode(target, fused, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
         assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24
+
+
+def test_a_static_forward_computes_what_the_eager_forward_computes(monkeypatch):
+    """The whole forward compiled on fixed-capacity KV (float32, CPU): the same logits as mlx-lm's
+    for one-token steps, a recorded verify window, a recovery from it, eager prompt chunks between
+    compiled steps, and across a capacity step; greedy joint decoding with both models static
+    equals the static target's own greedy tokens, which equal the eager target's."""
+    import mlx.core as mx
+
+    from worker import gpu_bench as gb
+    from worker.spec import state as st
+    from worker.spec import static
+
+    monkeypatch.setattr(static, "CAPACITY_STEP", 64)
+    cfg = dict(gb.DRAFT_08B, **gb.SMALL)
+    eager, stat = gb.build(cfg, mx.float32, seed=3), gb.build(cfg, mx.float32, seed=3)
+    static.set_static(stat)
+    ce, cs = st.make_cache(eager), st.make_cache(stat)
+    prompt = mx.array([list(range(1, 40))])
+    assert mx.array_equal(eager(prompt, cache=ce), stat(prompt, cache=cs))  # long inputs stay eager
+    kv = next(c for c in cs if type(c).__name__ == "KVCache")
+
+    def same(x):
+        assert mx.allclose(eager(x, cache=ce), stat(x, cache=cs), atol=1e-5)
+
+    for tok in (5, 17, 3):
+        same(mx.array([[tok]]))
+    assert kv.keys.shape[2] == 256 and kv.offset == 42  # mlx-lm's eager step (256) is a whole capacity step
+    st.set_record(ce, True)
+    st.set_record(cs, True)
+    same(mx.array([[5, 9, 11, 2]]))
+    st.keep_recorded(ce, 4, 2)
+    st.keep_recorded(cs, 4, 2)
+    same(mx.array([[7]]))
+    same(mx.array([list(range(60, 260))]))  # an eager chunk in between
+    for tok in range(6):  # crosses 256: the buffer grows to the next step, the state carried over
+        same(mx.array([[tok + 1, tok + 2]]))
+    assert kv.keys.shape[2] == 256 + 64 and kv.offset == 257
+    static.set_static(stat, False)
+    assert type(stat) is type(eager)
+
+    target = gb.build(dict(gb.TARGET_9B, **gb.SMALL), mx.float32, seed=0)
+    prompt = list(range(1, 17))
+    reference = gb.greedy_reference(target, prompt, 24)
+    static.set_static(target)
+    static.set_static(stat)
+    assert gb.greedy_reference(target, prompt, 24) == reference
+    for recovery in ("fast", "replay"):
+        run = gb.joint_decode(target, stat, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
+        assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24 and run.acceptance > 0.3
 
 
 def test_a_quantized_model_reports_its_logical_parameter_count():

@@ -21,8 +21,10 @@ from mlx_lm.models import qwen3_5
 from worker.scheduler import Scheduler
 from worker.spec import state as st
 from worker.spec.draft import ControlledDrafter
+from worker.spec.fused import set_fused
 from worker.spec.joint import JointDecoder, switching_cost
 from worker.spec.sampling import SamplingParams
+from worker.spec.static import set_static
 
 _COMMON = dict(model_type="qwen3_5_text", linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
                vocab_size=248320, max_position_embeddings=32768,
@@ -60,6 +62,16 @@ def build(config: dict, dtype=mx.bfloat16, seed: int = 0, bits: Optional[int] = 
     model.logical_params = n  # packed quantized weights count 32 / bits parameters an element
     st.install_recording(model)
     return model
+
+
+MODES = ("eager", "fused", "static")
+
+
+def set_mode(model, mode: str) -> None:
+    """eager: mlx-lm's layers; fused: Gated-DeltaNet layers compiled one by one (spec/fused.py);
+    static: the whole forward compiled on fixed-shape state (spec/static.py)."""
+    set_static(model, mode == "static")
+    set_fused(model, mode == "fused")
 
 
 def n_params(model) -> int:
