@@ -1,6 +1,7 @@
 """verity bench sched runs end to end (quick settings, tiny hybrid pair) and prints its JSON."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -17,6 +18,11 @@ def test_bench_sched_quick():
         assert all(c["mismatching_requests"] == 0 for c in row["configs"].values()), row["configs"]
     assert "batched_vs_unbatched" in rows[1]
     assert figures["ratio"] == min(row["adaptive_vs_baseline"] for row in rows)
+    for row in rows:  # ratios are medians of per-repeat ratios, from the same runs as the medians
+        runs = {name: c["runs_tps"] for name, c in row["configs"].items()}
+        assert len(runs["adaptive"]) == len(runs["baseline"]) >= 1
+        assert row["adaptive_vs_baseline"] == statistics.median(a / b for a, b in zip(runs["adaptive"], runs["baseline"]))
+        assert row["ratio_of_medians_vs_baseline"] == row["adaptive"] / row["baseline"]
 
 
 def test_the_controlled_draft_meets_the_same_hard_tokens_whatever_the_budget():
