@@ -20,6 +20,9 @@ def test_bench_gpu_small():
     assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")}
     assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size
     assert all(0 <= j["acceptance"] <= 1 and j["tps"] > 0 for j in fig["joint"])
+    for j in fig["joint"]:  # paired with the plain run of the same repeat
+        assert len(j["runs_tps"]) == len(j["plain_tps"]) == 1 and j["vs_plain"] == j["runs_tps"][0] / j["plain_tps"][0]
+    assert {j["alpha"] for j in fig["joint"] if "vs_best_fixed" in j} == {0.8}
     assert fig["ratio"] > 0 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
 
 
