@@ -365,3 +365,26 @@ def test_an_unlucky_spell_does_not_stop_drafting_for_good():
     resumed = next(i for i in range(400) if s.plan(["r"], 1) == [1])
     assert resumed < 60
     assert s.acceptance["r"].rates(s.shared_rates())[0] > 0.25
+
+
+def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_not_taken_for_one():
+    """Four requests whose draft goes from 1 in 5 accepted to every one accepted (the text
+    changed): the server-wide estimate forgets what came before the change within two rounds,
+    where without the short memory it would still be under 0.6; at a steady 9 in 10 (one
+    rejection, in turn) it never forgets."""
+    def run(detect: bool, pattern, rounds: int) -> list[float]:
+        overall = scheduler.Acceptance(scheduler.POSITIONS, detect_change=detect)
+        out = []
+        for i in range(rounds):
+            for r in range(4):
+                overall.observe(1, pattern(i, r))
+            out.append(overall.rates([0.5] * scheduler.POSITIONS, scheduler.PRIOR_WEIGHT)[0])
+        return out
+
+    change = lambda i, r: int(i >= 20 or (4 * i + r) % 5 == 0)  # noqa: E731
+    with_change, without = run(True, change, 22), run(False, change, 22)
+    assert with_change[19] < 0.35 and without[19] < 0.35  # both saw 1 in 5
+    assert with_change[21] > 0.75 and without[21] < 0.6
+    steady = lambda i, r: int((4 * i + r) % 10 != 0)  # noqa: E731
+    with_steady, without_steady = run(True, steady, 100), run(False, steady, 100)
+    assert with_steady == without_steady

@@ -42,6 +42,10 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
 FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
 LONG_DECAY = 0.998  # per observation: what the draft shows over the long run
+RECENT_DECAY = 0.7  # a short memory kept beside each estimate's, to see that the text changed
+CHANGE_NATS = 1.5  # log-likelihood ratio (recent observations, short memory's rate against the
+                   # estimate's) past which the estimate forgets what came before them
+MIN_RECENT = 1.5  # decayed observations the short memory needs before it is tested
 SHARED_WEIGHT = 24.0  # pseudo-observations of the server-wide estimate in each request's own: noise
                       # in each request's estimates makes survivals uneven, and uneven survivals draft
                       # deeper for the same budget (8: α = 0.9 ×4 chose depth 2 where 4 paid, 0.93 of k = 4)
@@ -62,12 +66,22 @@ class Acceptance:
     position in a round that drafted nothing (`fade`), so an estimate that an unlucky spell pushed below the point where drafting pays
     drifts back to what the draft has shown over the long run, and drafting is tried again,
     instead of stopping for good (no drafts, no observations).
+
+    A change of text (code after prose) moves acceptance at once, and an estimate with ~20
+    observations of memory takes 3-6 cycles to follow it. So each level but the long-run one keeps
+    a short memory (RECENT_DECAY) beside its own; when the recent observations are more likely
+    under the short memory's rate than under the estimate's by CHANGE_NATS, the estimate forgets
+    the older ones (with 4 requests, α switching 0.9/0.2 every 10 cycles, the error of position
+    1 fell from 0.26 to 0.20 in simulation, and at a steady α = 0.9 rose from 0.034 to 0.036).
     """
 
-    def __init__(self, max_positions: int, decay: float = DECAY):
+    def __init__(self, max_positions: int, decay: float = DECAY, detect_change: bool = True):
         self.accepted = [0.0] * max_positions
         self.tried = [0.0] * max_positions
+        self.recent_accepted = [0.0] * max_positions
+        self.recent_tried = [0.0] * max_positions
         self.decay = decay
+        self.detect_change = detect_change
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
@@ -76,11 +90,27 @@ class Acceptance:
             decay = self.decay if j < tried else min(self.decay, DECAY)  # untried: fades as fast at every level
             self.accepted[j] = self.accepted[j] * decay + (j < n)
             self.tried[j] = self.tried[j] * decay + (j < tried)
+            self.recent_accepted[j] = self.recent_accepted[j] * RECENT_DECAY + (j < n)
+            self.recent_tried[j] = self.recent_tried[j] * RECENT_DECAY + (j < tried)
+        if self.detect_change:
+            self._forget_before_a_change()
+
+    def _forget_before_a_change(self) -> None:
+        for j, (ra, rt) in enumerate(zip(self.recent_accepted, self.recent_tried)):
+            if rt < MIN_RECENT or self.tried[j] <= rt:
+                continue
+            p_old = min(0.97, max(0.03, self.accepted[j] / self.tried[j]))
+            p_new = min(0.97, max(0.03, ra / rt))
+            nats = ra * math.log(p_new / p_old) + (rt - ra) * math.log((1 - p_new) / (1 - p_old))
+            if nats > CHANGE_NATS:
+                self.accepted[j], self.tried[j] = ra, rt
 
     def fade(self) -> None:
         """A round without drafts: what was seen weighs less, nothing new is added."""
         self.accepted = [a * self.decay for a in self.accepted]
         self.tried = [t * self.decay for t in self.tried]
+        self.recent_accepted = [a * RECENT_DECAY for a in self.recent_accepted]
+        self.recent_tried = [t * RECENT_DECAY for t in self.recent_tried]
 
     def rates(self, prior: Sequence[float] | None = None, weight: float = SHARED_WEIGHT) -> list[float]:
         """Estimates per position; `prior`: the level above's, worth `weight` observations (none:
@@ -372,7 +402,7 @@ class Scheduler:
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
         self.overall = Acceptance(POSITIONS)  # every request's cycles: each request's prior
-        self.longrun = Acceptance(POSITIONS, LONG_DECAY)  # the same over the long run: overall's prior
+        self.longrun = Acceptance(POSITIONS, LONG_DECAY, detect_change=False)  # the same over the long run: overall's prior
         self.rounds = 0
         self.rounds_without_draft = 0
         self._round: tuple[int, int, int] | None = None
