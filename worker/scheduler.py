@@ -133,8 +133,10 @@ MAX_AGE = 256  # rounds after which a measurement expires (the machine's load ch
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a probe's cost is taken from
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
-PROBE_EVERY = 16  # with speculation off, try one drafted token at most this often (acceptance drifts)
-PROBE_SHARE = 0.02  # ... and no more often than keeps the probes' extra cost under this share of plain time
+PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
+PROBE_SHARE = 0.03  # probes come as often as keeps their expected loss under this share of plain time
+FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
+                  # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
@@ -343,7 +345,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     `behind` (it must first catch up on the prompt or on the cycles it sat out) pays that once:
     `switch_s` spread over SWITCH_HORIZON rounds is added to its cost, so noise in a near-tie
     does not start drafting that costs more to start than it gains. With `probe`, a round that
-    would draft nothing drafts one token so acceptance keeps being observed.
+    would draft nothing drafts one token for each request, so acceptance keeps being observed.
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
@@ -367,23 +369,32 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
             candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / (cost + switching)})
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
+    lengths = allocate(surv, budget)
     if probe and budget == 0 and ranked:
-        budget = 1
-    return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": allocate(surv, budget)}
+        lengths = [int(bool(row)) for row in surv]  # one token for every request that has room
+        budget = sum(lengths)
+    return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": lengths}
 
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
-                   catch_up: float | None = None) -> int:
-    """Plain rounds between probes: PROBE_EVERY, or more where a probe round costs much more than
-    a plain one (on a GPU where drafting is launch-bound, a probe can cost 5× a plain step). A
-    probe's draft first catches up on the rounds it sat out: `catch_up`, the median such round,
-    is what a probe costs when it is dearer than a drafting round."""
-    plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, 1, 1, counts)
-    if probe is not None and catch_up is not None:
-        probe = max(probe, catch_up)
-    if not plain or probe is None or probe <= plain:
+                   catch_up: float | None = None, first: Sequence[float] = ()) -> int:
+    """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
+    their position-1 estimates), so a change of text shows in one round, not one request's in
+    turn. Its expected loss is its cost less the plain time of the tokens it expects (N + the
+    sum of `first`); probes come as often as keeps that under PROBE_SHARE of the plain time
+    between them. Near where drafting pays a probe costs next to nothing and comes every
+    FREE_SIT_OUT rounds, before any draft would have to catch up; else the probe's draft first
+    catches up on the rounds it sat out, and `catch_up`, the median such round, is its cost when
+    dearer: a useless draft, or a launch-bound one on a GPU (a probe at 5× a plain round), is
+    probed rarely."""
+    plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
+    if not plain or probe is None or not first:
         return PROBE_EVERY
-    return max(PROBE_EVERY, math.ceil((probe - plain) / (PROBE_SHARE * plain)))
+    expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
+    if probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
+        return FREE_SIT_OUT
+    cost = max(probe, catch_up or 0.0)
+    return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
 
 
 # ---- the scheduler the engine runs ----
@@ -448,7 +459,7 @@ class Scheduler:
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
         catch_up = self.cost.catch_up_seconds(n_requests)
-        self._probe_every = probe_interval(table, n_requests, counts, catch_up)
+        self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r])
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
         switch_s = (catch_up or 0.0) if any(behind) else 0.0
