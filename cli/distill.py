@@ -36,7 +36,7 @@ def run_distill(args: argparse.Namespace) -> int:
         recipe.epochs = args.epochs
     if args.layers:
         recipe.layer_ids = args.layers
-    target = load_model("embedded")
+    target = load_model("embedded", float_weights=True)  # its layers are copied into the draft
     with _bars() as bars:
         def progress(description: str, total: int):
             task = bars.add_task(description, total=total)
@@ -91,7 +91,7 @@ def add_commands(sub) -> None:
     p.add_argument("--work", default=str(DEFAULT_WORK), help=f"work folder, kept for resuming (default {DEFAULT_WORK})")
     p.add_argument("--out", default=None, help="where the draft is written (default: the package's worker/draft/embedded)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=None, help="default: the recipe's (5)")
+    p.add_argument("--epochs", type=int, default=None, help="default: the recipe's (3)")
     p.add_argument("--prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--layers", type=int, nargs="*", default=None, help="target layers the draft starts from")
     p.add_argument("--json", action="store_true")

@@ -75,7 +75,10 @@ def test_training_prompts_are_the_committed_generator_output_and_avoid_heldout()
         assert core not in words, topic
 
 
-MIN_HELDOUT_FIRST = 0.35  # what the shipped draft keeps (0.400 on all 24 held-out prompts); the goal, 0.5, is not met
+# the goal, on all 24 held-out prompts over 128 tokens (the shipped draft: 0.504); the quick
+# subset (6 prompts, 48 tokens) reads 0.483
+MIN_HELDOUT_FIRST = 0.5 if FULL else 0.45
+MIN_JOINT_FIRST = 0.4  # first-position acceptance in joint cycles: a real draft, far above chance
 
 
 def test_heldout_acceptance_of_the_shipped_draft(pair, heldout):
@@ -108,7 +111,7 @@ def test_greedy_joint_with_the_distilled_draft_equals_baseline(pair, heldout):
             assert gap < NEAR_TIE, f"joint output differs at token {at} where the target is not near a tie ({gap:.2e})"
             near_ties.append(at)
     assert len(near_ties) <= max(1, N_PROMPTS // 20)
-    assert first[0] / first[1] >= MIN_HELDOUT_FIRST, first  # a real draft: far above chance
+    assert first[0] / first[1] >= MIN_JOINT_FIRST, first
 
 
 def test_distill_recipe_resumes_to_the_same_draft(tmp_path):

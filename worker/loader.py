@@ -31,9 +31,10 @@ def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def load_model(spec: str = EMBEDDED) -> LoadedModel:
+def load_model(spec: str = EMBEDDED, float_weights: bool = False) -> LoadedModel:
+    """`float_weights`: the embedded model dequantized even on a GPU (the distillation copies its layers)."""
     if spec == EMBEDDED:
-        return _load_embedded()
+        return _load_embedded(quantized=on_gpu() and not float_weights)
     path = Path(spec).expanduser()
     if path.exists():
         return _load_folder(path, path.resolve().name)
@@ -42,11 +43,11 @@ def load_model(spec: str = EMBEDDED) -> LoadedModel:
     return _load_folder(Path(hf_repo_to_path(spec)), spec)
 
 
-def _load_embedded() -> LoadedModel:
+def _load_embedded(quantized: bool) -> LoadedModel:
     from worker.gguf import embedded_gguf_path, load_gguf
 
     path = embedded_gguf_path()
-    model, tokenizer, info = load_gguf(path, quantized=on_gpu())
+    model, tokenizer, info = load_gguf(path, quantized=quantized)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

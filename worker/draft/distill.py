@@ -44,14 +44,14 @@ def no_progress(description: str, total: int) -> Callable[[int], None]:
 @dataclass
 class Recipe:
     seed: int = 0
-    layer_ids: list = field(default_factory=lambda: [0, 1, 28, 29])  # target layers the draft starts from
+    layer_ids: list = field(default_factory=lambda: [0, 1, 2, 28, 29])  # target layers the draft starts from
     head_size: int = 8192  # vocabulary of the draft's output head: the teacher's most frequent tokens
-    gen_tokens: int = 96  # per generated continuation
+    gen_tokens: int = 128  # per generated continuation
     temperatures: list = field(default_factory=lambda: [0.0, 0.8])  # prompt i samples at temperatures[i % len]
     gen_batch: int = 128
     top_k: int = 16  # teacher log-probabilities kept per position (sampling draws from these)
     batch: int = 16  # sequences per training step
-    epochs: int = 5
+    epochs: int = 3
     hard: float = 0.5  # weight of the cross-entropy to the teacher's argmax
     lr: float = 5e-4
     warmup: int = 20

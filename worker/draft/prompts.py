@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-COUNT, SEED = 3600, 0
+COUNT, SEED = 14400, 0
 PATH = Path(__file__).parent / "train_prompts.txt"
 
 TEMPLATES = [
