@@ -168,6 +168,9 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(cpu, 4, first=[0.3] * 4) == FREE_SIT_OUT  # yields 5.2 tokens at 1.3× plain
     assert probe_interval(cpu, 4, first=[0.0] * 4) == 11  # (0.160 - 0.123) / (3% of 0.123), rounded up
     assert probe_interval(cpu, 4, catch_up=0.3, first=[0.0] * 4) == 48  # its drafts first catch up
+    one = {"1,0,0": 0.054, "1,1,1": 0.068}  # one request: plain rounds pipeline the next forward
+    assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
+    assert probe_interval(one, 1, first=[0.3], discard=0.122) == 32  # a probe throws the forward ahead away
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
     assert probe_interval(gpu, 1, first=[0.5]) == 136  # (0.050 - 1.5 × 0.009) / (3% of 0.009)
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)

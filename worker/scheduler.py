@@ -132,6 +132,7 @@ MAX_AGE = 256  # rounds after which a measurement expires (the machine's load ch
                # that is never chosen again would otherwise keep its old figure for good)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a probe's cost is taken from
+DISCARD_REASONS = ("look-ahead discarded",)  # ... and those of a cycle after pipelined plain rounds
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
 PROBE_SHARE = 0.03  # probes come as often as keeps their expected loss under this share of plain time
@@ -204,10 +205,10 @@ class CostModel:
             ratios.append(seconds / _median(plain))
             del ratios[:-WINDOW]
 
-    def catch_up_seconds(self, n: int) -> float | None:
-        """Median of the last WINDOW rounds of n requests set apart as a draft catching up (on
-        the prompt or on the rounds it sat out)."""
-        xs = [t for key, t, why in self.set_apart if why in CATCH_UP_REASONS and key[0] == n][-WINDOW:]
+    def catch_up_seconds(self, n: int, reasons: tuple = CATCH_UP_REASONS) -> float | None:
+        """Median of the last WINDOW rounds of n requests set apart for one of `reasons` (by
+        default a draft catching up, on the prompt or on the rounds it sat out)."""
+        xs = [t for key, t, why in self.set_apart if why in reasons and key[0] == n][-WINDOW:]
         return _median(xs) if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
@@ -377,7 +378,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
 
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
-                   catch_up: float | None = None, first: Sequence[float] = ()) -> int:
+                   catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None) -> int:
     """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
     their position-1 estimates), so a change of text shows in one round, not one request's in
     turn. Its expected loss is its cost less the plain time of the tokens it expects (N + the
@@ -386,10 +387,13 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     FREE_SIT_OUT rounds, before any draft would have to catch up; else the probe's draft first
     catches up on the rounds it sat out, and `catch_up`, the median such round, is its cost when
     dearer: a useless draft, or a launch-bound one on a GPU (a probe at 5× a plain round), is
-    probed rarely."""
+    probed rarely. Unbatched plain rounds compute the next forward ahead, and a probe throws it
+    away: `discard`, the median such round, is then the probe's cost when dearer (one request on
+    this CPU: 1.8× a plain round, where probes every few rounds cost a quarter of the speed)."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
+    probe = max(probe, discard or 0.0)
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
@@ -459,7 +463,8 @@ class Scheduler:
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
         catch_up = self.cost.catch_up_seconds(n_requests)
-        self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r])
+        self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
+                                           self.cost.catch_up_seconds(n_requests, DISCARD_REASONS))
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
         switch_s = (catch_up or 0.0) if any(behind) else 0.0
