@@ -166,13 +166,14 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval({}, 1) == PROBE_EVERY
     cpu = {"4,0,0": 0.123, "4,4,1": 0.160}  # the embedded model, 4 requests (bench sched)
     assert probe_interval(cpu, 4, first=[0.3] * 4) == FREE_SIT_OUT  # yields 5.2 tokens at 1.3× plain
-    assert probe_interval(cpu, 4, first=[0.0] * 4) == 11  # (0.160 - 0.123) / (3% of 0.123), rounded up
-    assert probe_interval(cpu, 4, catch_up=0.3, first=[0.0] * 4) == 48  # its drafts first catch up
+    assert probe_interval(cpu, 4, first=[0.0] * 4) == 16  # (0.160 - 0.123) / (2% of 0.123), rounded up
+    assert probe_interval(cpu, 4, catch_up=0.3, first=[0.0] * 4) == 72  # its drafts first catch up
+    assert probe_interval(cpu, 4, catch_up=0.3, first=[0.3] * 4, behind=True) == 57  # a draft is behind already
     one = {"1,0,0": 0.054, "1,1,1": 0.068}  # one request: plain rounds pipeline the next forward
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
-    assert probe_interval(one, 1, first=[0.3], discard=0.122) == 32  # a probe throws the forward ahead away
+    assert probe_interval(one, 1, first=[0.3], discard=0.122) == 48  # a probe throws the forward ahead away
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
-    assert probe_interval(gpu, 1, first=[0.5]) == 136  # (0.050 - 1.5 × 0.009) / (3% of 0.009)
+    assert probe_interval(gpu, 1, first=[0.5]) == 203  # (0.050 - 1.5 × 0.009) / (2% of 0.009)
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
     assert d["allocation"] == [1, 1, 0] and d["budget"] == 2  # the third request has no room
     s = Scheduler()
@@ -181,7 +182,7 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
         s.observe_cycle("r", 1, 0)
     a = s.acceptance["r"].rates(s.shared_rates())[0]
     budgets = [s.plan(["r"], 1)[0] for _ in range(300)]
-    assert a < 0.05 and sum(budgets) == 1 and budgets.index(1) == math.ceil((0.050 - 0.009 * (1 + a)) / (0.03 * 0.009))
+    assert a < 0.05 and sum(budgets) == 1 and budgets.index(1) == math.ceil((0.050 - 0.009 * (1 + a)) / (0.02 * 0.009))
 
 
 @pytest.fixture(scope="module")

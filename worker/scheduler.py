@@ -135,7 +135,7 @@ CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a pro
 DISCARD_REASONS = ("look-ahead discarded",)  # ... and those of a cycle after pipelined plain rounds
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
-PROBE_SHARE = 0.03  # probes come as often as keeps their expected loss under this share of plain time
+PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
@@ -378,13 +378,15 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
 
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
-                   catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None) -> int:
+                   catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
+                   behind: bool = False) -> int:
     """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
     their position-1 estimates), so a change of text shows in one round, not one request's in
     turn. Its expected loss is its cost less the plain time of the tokens it expects (N + the
     sum of `first`); probes come as often as keeps that under PROBE_SHARE of the plain time
     between them. Near where drafting pays a probe costs next to nothing and comes every
-    FREE_SIT_OUT rounds, before any draft would have to catch up; else the probe's draft first
+    FREE_SIT_OUT rounds, before any draft would have to catch up (unless one is `behind`
+    already: a new request's draft lacks its prompt); else the probe's draft first
     catches up on the rounds it sat out, and `catch_up`, the median such round, is its cost when
     dearer: a useless draft, or a launch-bound one on a GPU (a probe at 5× a plain round), is
     probed rarely. Unbatched plain rounds compute the next forward ahead, and a probe throws it
@@ -395,7 +397,7 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
         return PROBE_EVERY
     probe = max(probe, discard or 0.0)
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
-    if probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
+    if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
     cost = max(probe, catch_up or 0.0)
     return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
@@ -464,7 +466,7 @@ class Scheduler:
         table, counts = self.cost.table_and_counts()
         catch_up = self.cost.catch_up_seconds(n_requests)
         self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
-                                           self.cost.catch_up_seconds(n_requests, DISCARD_REASONS))
+                                           self.cost.catch_up_seconds(n_requests, DISCARD_REASONS), any(behind or []))
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
         switch_s = (catch_up or 0.0) if any(behind) else 0.0
