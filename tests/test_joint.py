@@ -256,9 +256,11 @@ def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
 
 
 def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
-    """A draft that sat out more than CATCH_UP_LAG cycles feeds them at its next drafting cycle;
-    that round is recorded apart as "draft catch-up", and so is the first plain round after
-    drafting (it starts the plain pipeline); the steady rounds are timed."""
+    """A draft that sat out more than CATCH_UP_LAG cycles feeds them at its next drafting cycle,
+    on their own: that catch-up is timed apart as "draft catch-up", and so is the forward the
+    pipelined plain cycles computed ahead and the drafting cycle throws away; the rest of that
+    round is a drafting round like any other, a cost sample. The first plain round after drafting
+    (it starts the plain pipeline) is recorded apart whole."""
     pair = pairs["qwen3_5+qwen3_5"]
     req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=24, temperature=0.0,
                             mode="joint", ignore_eos=True)
@@ -270,6 +272,9 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
         out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("draft prefill") == 1 and reasons.count("draft catch-up") == 1
+    assert reasons.count("look-ahead discarded") == 1
+    rounds = [r for r, _ in eng.scheduler.cost.cells[(1, 1, 1)]]
+    assert 3 + CATCH_UP_LAG + 2 + 1 in rounds  # the round that caught up, less the catch-up
     assert reasons.count("plain pipeline start") == 2  # the sat-out rounds' first, and the last cycle's:
     counts = eng.scheduler.cost.counts()               # with one token left it has no room to draft
     assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 1 and len(out) == 24

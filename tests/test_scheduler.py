@@ -16,7 +16,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FREE_SIT_OUT, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PROBE_EVERY, WINDOW, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
+from worker.scheduler import FREE_SIT_OUT, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -95,6 +95,25 @@ def test_cost_model_keeps_only_complete_rounds():
     assert s.cost.table() == {} and s.cost.set_apart[-1][2] == "prefill"
 
 
+def test_a_cell_measured_again_after_a_long_gap_starts_anew():
+    """A batch's first drafting rounds priced k = 1 out (they cost more than its later ones); a
+    probe STALE_GAP rounds later measures it again, and that fresh round replaces the stale ones.
+    Within the gap, rounds pool as usual."""
+    def run(gap: int) -> CostModel:
+        cm = CostModel()
+        for _ in range(5):
+            cm.observe((4, 4, 1), 0.24)
+        for _ in range(gap):
+            cm.observe((4, 0, 0), 0.12)
+        cm.observe((4, 4, 1), 0.15)
+        cm.commit()
+        return cm
+    late, soon = run(STALE_GAP + 1), run(STALE_GAP - 1)
+    assert late.table()["4,4,1"] == 0.15 and late.counts()["4,4,1"] == 1
+    assert soon.table()["4,4,1"] == 0.24 and soon.counts()["4,4,1"] == 6
+    assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
+
+
 def test_speculation_switches_off_when_it_does_not_pay():
     cheap = {"1,0,0": 1.0, "1,1,1": 1.05, "1,2,2": 1.1, "1,3,3": 1.15}
     assert decide([[0.9, 0.9, 0.9, 0.9]], 1, cheap, 8)["budget"] >= 3
@@ -167,11 +186,11 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     cpu = {"4,0,0": 0.123, "4,4,1": 0.160}  # the embedded model, 4 requests (bench sched)
     assert probe_interval(cpu, 4, first=[0.3] * 4) == FREE_SIT_OUT  # yields 5.2 tokens at 1.3× plain
     assert probe_interval(cpu, 4, first=[0.0] * 4) == 16  # (0.160 - 0.123) / (2% of 0.123), rounded up
-    assert probe_interval(cpu, 4, catch_up=0.3, first=[0.0] * 4) == 72  # its drafts first catch up
-    assert probe_interval(cpu, 4, catch_up=0.3, first=[0.3] * 4, behind=True) == 57  # a draft is behind already
+    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.0] * 4) == 72  # its drafts first catch up: 0.160 + 0.14
+    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.3] * 4, behind=True) == 57  # a draft is behind already
     one = {"1,0,0": 0.054, "1,1,1": 0.068}  # one request: plain rounds pipeline the next forward
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
-    assert probe_interval(one, 1, first=[0.3], discard=0.122) == 48  # a probe throws the forward ahead away
+    assert probe_interval(one, 1, first=[0.3], discard=0.054) == 48  # a probe throws the forward ahead away: 0.068 + 0.054
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
     assert probe_interval(gpu, 1, first=[0.5]) == 203  # (0.050 - 1.5 × 0.009) / (2% of 0.009)
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
@@ -311,6 +330,26 @@ def test_starting_to_draft_pays_the_drafts_catch_up():
     two = decide([[0.2], [0.3]], 2, {"2,0,0": 0.010, "2,1,1": 0.011}, 8, counts={"2,0,0": 9, "2,1,1": 9},
                  behind=[True, False], switch_s=0.05)
     assert two["allocation"] == [0, 1]  # the request whose draft keeps up drafts; the other waits
+
+
+def test_near_break_even_the_mode_in_use_persists():
+    """One request's plain rounds are pipelined: stopping restarts the pipeline (a round that
+    computes two forwards) and starting again throws the forward computed ahead away. Both are
+    spread over SWITCH_HORIZON rounds, so near break-even a drafting request keeps drafting and a
+    plain one stays plain, instead of paying both at every wobble of its estimate."""
+    table, counts = {"1,0,0": 0.050, "1,1,1": 0.070}, {"1,0,0": 9, "1,1,1": 9}
+    assert decide([[0.38]], 1, table, 8, counts=counts)["budget"] == 0  # 1.38 / 0.070 < 1 / 0.050
+    assert decide([[0.38]], 1, table, 8, counts=counts, stop_s=0.08)["budget"] == 1
+    s = Scheduler()
+    s.cost.cells = {(1, 0, 0): [(0, 0.050)] * 9, (1, 1, 1): [(0, 0.070)] * 9}
+    s.cost.set_apart.extend([((1, 0, 0), 0.130, "plain pipeline start"), ((1, 1, 1), 0.040, "look-ahead discarded")])
+    for i in range(200):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 8 < 3))  # 3 of 8 accepted
+    assert s.plan(["r"], 1, pipelined=True) == [1]  # it drafted last round: it goes on
+    s._held = None
+    assert s.plan(["r"], 1, ahead=[True], pipelined=True) == [0]  # it ran plain: it stays so
+    s._held = None
+    assert s.plan(["r"], 1) == [0]  # batched plain rounds are not pipelined: no hysteresis
 
 
 def test_no_request_drafts_past_its_remaining_tokens():

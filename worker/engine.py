@@ -220,15 +220,21 @@ class Engine:
         """One decode round: a token for each baseline request, a cycle for each joint one, with
         draft lengths from the scheduler; the round's time feeds its cost model."""
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
-        behind = [r.decoder.decoder.draft_behind for r in joint]
+        decoders = [r.decoder.decoder for r in joint]
+        behind = [d.draft_behind for d in decoders]
         room = [self._draft_room(r) for r in joint]
-        for r, k in zip(joint, self.scheduler.plan([r.id for r in joint], len(self._active), behind, room)):
-            r.decoder.budget = k
-        # a prefill is no decode round; nor is one that pays a switching cost
         batching = self.config.batch_verify and len(joint) > 1
+        plan = self.scheduler.plan([r.id for r in joint], len(self._active), behind, room,
+                                   [d.looking_ahead for d in decoders], pipelined=not batching)
+        for r, k in zip(joint, plan):
+            r.decoder.budget = k
+        # a prefill is no decode round; nor is one that pays a switching cost, unless the cost
+        # is paid on its own and timed apart (a draft's catch-up, a discarded look-ahead)
         reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
-        reason = reason or switching_cost([r.decoder.decoder for r in joint], [r.decoder.budget for r in joint], batching)
+        reason = reason or switching_cost(decoders, [r.decoder.budget for r in joint], batching, timed_apart=True)
         complete = not reason
+        for d in decoders:
+            d.take_apart()  # what a snapshot's settle paid since is no part of this round
         t0 = time.perf_counter()
         batched = self._batched_cycles(joint, events) if batching else {}
         complete = complete and (not batching or len(batched) == len(joint))
@@ -250,7 +256,12 @@ class Engine:
             if r.done:
                 r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
                 self._release(r)
-        self.scheduler.observe_round(time.perf_counter() - t0, complete, reason or ("" if complete else "prefill or error"))
+        apart: dict[str, float] = {}
+        for d in decoders:
+            for why, seconds in d.take_apart().items():
+                apart[why] = apart.get(why, 0.0) + seconds
+        self.scheduler.observe_round(time.perf_counter() - t0 - sum(apart.values()), complete,
+                                     reason or ("" if complete else "prefill or error"), apart)
 
     def _draft_room(self, r: _Request) -> int:
         """Draft tokens a cycle of r can still use: a cycle emits its accepted drafts and one more."""

@@ -130,9 +130,12 @@ class Acceptance:
 WINDOW = 32  # measurements per cell
 MAX_AGE = 256  # rounds after which a measurement expires (the machine's load changes; a cell
                # that is never chosen again would otherwise keep its old figure for good)
+STALE_GAP = 32  # rounds without a measurement of a cell after which its measurements are discarded
+                # when a new one comes (a cell left early in a batch, probed again much later)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
-CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart rounds a probe's cost is taken from
-DISCARD_REASONS = ("look-ahead discarded",)  # ... and those of a cycle after pipelined plain rounds
+CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart costs a probe pays besides its round
+DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain rounds, the forward it discards
+PIPELINE_REASONS = ("plain pipeline start",)  # what stopping costs where plain rounds are pipelined
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
 PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
@@ -164,7 +167,10 @@ class CostModel:
     deeper draft that might pay gets tried and is then priced by its own measurement. Noise is
     bounded where the work is known to be ordered (see `estimate`). A measurement expires after
     MAX_AGE timed rounds; a drafting cell none of whose rounds is left is then priced by its
-    ratio to the plain round (see `_live`), so its figure follows a change of load.
+    ratio to the plain round (see `_live`), so its figure follows a change of load. A cell
+    measured again after STALE_GAP rounds without a measurement starts anew: its rounds came from
+    another spell (a batch's first rounds cost more than its later ones), and a probe's one fresh
+    round must be able to move a cell that a few early rounds priced out.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
     """
@@ -194,6 +200,8 @@ class CostModel:
         key, seconds = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
+        if cell and self.rounds - cell[-1][0] > STALE_GAP:
+            cell.clear()  # measured in another spell (the start of a batch, another load): start anew
         if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
@@ -206,8 +214,9 @@ class CostModel:
             del ratios[:-WINDOW]
 
     def catch_up_seconds(self, n: int, reasons: tuple = CATCH_UP_REASONS) -> float | None:
-        """Median of the last WINDOW rounds of n requests set apart for one of `reasons` (by
-        default a draft catching up, on the prompt or on the rounds it sat out)."""
+        """Median of the last WINDOW costs of n requests set apart for one of `reasons` (by default
+        a draft's catch-up, on the prompt or on the rounds it sat out: the catch-up alone where it
+        was timed apart, else the whole round)."""
         xs = [t for key, t, why in self.set_apart if why in reasons and key[0] == n][-WINDOW:]
         return _median(xs) if xs else None
 
@@ -337,7 +346,7 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
 
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
            probe: bool = False, counts: dict[str, int] | None = None,
-           behind: Sequence[bool] | None = None, switch_s: float = 0.0) -> dict:
+           behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -345,7 +354,11 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     skipped; B = 0 is always a candidate. An allocation that drafts for a request whose draft is
     `behind` (it must first catch up on the prompt or on the cycles it sat out) pays that once:
     `switch_s` spread over SWITCH_HORIZON rounds is added to its cost, so noise in a near-tie
-    does not start drafting that costs more to start than it gains. With `probe`, a round that
+    does not start drafting that costs more to start than it gains (`behind` also marks a request
+    whose pipelined plain rounds computed a forward ahead, which drafting throws away). Likewise
+    `stop_s`, what stopping costs (one request's plain rounds restart their pipeline), spread
+    over SWITCH_HORIZON rounds, is added to B = 0: the mode changes only for a clear gain, since
+    every change pays both once. With `probe`, a round that
     would draft nothing drafts one token for each request, so acceptance keeps being observed.
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
@@ -367,6 +380,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:
             switching = switch_s / SWITCH_HORIZON if behind and any(k and x for k, x in zip(lengths, behind)) else 0.0
+            switching += stop_s / SWITCH_HORIZON if b == 0 else 0.0
             candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / (cost + switching)})
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
@@ -382,24 +396,24 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
                    behind: bool = False) -> int:
     """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
     their position-1 estimates), so a change of text shows in one round, not one request's in
-    turn. Its expected loss is its cost less the plain time of the tokens it expects (N + the
-    sum of `first`); probes come as often as keeps that under PROBE_SHARE of the plain time
-    between them. Near where drafting pays a probe costs next to nothing and comes every
-    FREE_SIT_OUT rounds, before any draft would have to catch up (unless one is `behind`
-    already: a new request's draft lacks its prompt); else the probe's draft first
-    catches up on the rounds it sat out, and `catch_up`, the median such round, is its cost when
-    dearer: a useless draft, or a launch-bound one on a GPU (a probe at 5× a plain round), is
-    probed rarely. Unbatched plain rounds compute the next forward ahead, and a probe throws it
-    away: `discard`, the median such round, is then the probe's cost when dearer (one request on
-    this CPU: 1.8× a plain round, where probes every few rounds cost a quarter of the speed)."""
+    turn, and the drafting round's cost is measured again. Its expected loss is its cost less the
+    plain time of the tokens it expects (N + the sum of `first`); probes come as often as keeps
+    that under PROBE_SHARE of the plain time between them. Near where drafting pays a probe costs
+    next to nothing and comes every FREE_SIT_OUT rounds, before any draft would have to catch up
+    (unless one is `behind` already: a new request's draft lacks its prompt); else the probe's
+    draft first catches up on the rounds it sat out, and `catch_up`, the median such catch-up,
+    adds to its cost: a useless draft, or a launch-bound one on a GPU, is probed rarely.
+    Unbatched plain rounds compute the next forward ahead, and a probe throws it away:
+    `discard`, the median such forward, adds to its cost too (one request on this CPU: about a
+    plain round, where probes every few rounds cost a quarter of the speed)."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
-    probe = max(probe, discard or 0.0)
+    probe += discard or 0.0
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
-    cost = max(probe, catch_up or 0.0)
+    cost = probe + (catch_up or 0.0)
     return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
 
 
@@ -429,10 +443,13 @@ class Scheduler:
         self._probe_every = PROBE_EVERY
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
-             room: Sequence[int] | None = None) -> list[int]:
+             room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
+             pipelined: bool = False) -> list[int]:
         """Draft length for each joint request of this round (n_requests counts baseline ones);
         `behind`: whose draft would first have to catch up (see `decide`); `room`: the most
-        drafts each request's cycle can still use (its remaining tokens less the one a cycle adds)."""
+        drafts each request's cycle can still use (its remaining tokens less the one a cycle adds);
+        `ahead`: whose plain rounds computed a forward ahead (drafting throws it away); `pipelined`:
+        plain rounds of these requests would be pipelined (unbatched), so stopping restarts that."""
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
         caps = list(room) if room is not None else [None] * len(joint_ids)
@@ -446,7 +463,7 @@ class Scheduler:
                 self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "held": True,
                                             "allocation": lengths}) + "\n")
         else:
-            d = self._decide(joint_ids, n_requests, behind, caps)
+            d = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined)
             lengths = d["allocation"]
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
@@ -458,27 +475,36 @@ class Scheduler:
         return lengths
 
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
-                caps: list[int | None]) -> dict:
+                caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False) -> dict:
         """The rule's decision, logged; "decide_s": what deciding took (logging aside)."""
         t0 = time.perf_counter()
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
         catch_up = self.cost.catch_up_seconds(n_requests)
+        discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
-                                           self.cost.catch_up_seconds(n_requests, DISCARD_REASONS), any(behind or []))
+                                           discard, any(behind or []))
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
-        switch_s = (catch_up or 0.0) if any(behind) else 0.0
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s)
+        ahead = list(ahead or [False] * len(joint_ids))
+        switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
+        behind = [b or a for b, a in zip(behind, ahead)]
+        stop_s = self._stop_seconds(table, counts, n_requests) if pipelined and not any(ahead) else 0.0
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s)
         decide_s = time.perf_counter() - t0
         if self._log:
             self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
-                                        "switch_s": switch_s, **d}) + "\n")
+                                        "switch_s": switch_s, "stop_s": stop_s, **d}) + "\n")
         d["probe"], d["decide_s"] = probe, decide_s
         return d
+
+    def _stop_seconds(self, table: dict[str, float], counts: dict[str, int], n: int) -> float:
+        """What a pipelined plain round that starts its pipeline costs over a plain one."""
+        start, plain = self.cost.catch_up_seconds(n, PIPELINE_REASONS), estimate(table, n, 0, 0, counts)
+        return max(0.0, start - plain) if start is not None and plain is not None else 0.0
 
     @staticmethod
     def _hold_rounds(d: dict, decide_s: float) -> int:
@@ -508,9 +534,13 @@ class Scheduler:
             self.overall.observe(k, n)
             self.longrun.observe(k, n)
 
-    def observe_round(self, seconds: float, complete: bool, reason: str = "") -> None:
+    def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None) -> None:
+        """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
+        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds})."""
         if self._round is None:
             return
+        for why, s in (apart or {}).items():
+            self.cost.set_apart.append((self._round, s, why))
         if complete:
             self.cost.observe(self._round, seconds)
         else:
@@ -540,7 +570,7 @@ def replay(lines: Sequence[str]) -> list[str]:
         if rec.get("held"):
             continue  # a round the previous decision governed (Scheduler._hold_rounds)
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
-                     rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0))
+                     rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")

@@ -18,14 +18,16 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from worker.spec import state as st
 from worker.spec.draft import Drafter
-from worker.spec.joint import JointDecoder
+from worker.spec.joint import CATCH_UP_LAG, JointDecoder
 
 
 def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
     """Runs one cycle for each decoder (k from `budgets`); returns each one's emitted tokens.
     Each decoder must then be committed as after JointDecoder.cycle."""
-    for d in decoders:
+    for d, k in zip(decoders, budgets):
         d.settle()
+        if k:
+            d.catch_up_draft()
     t0 = time.perf_counter()
     drafts = draft_batch([d.drafter for d in decoders], [d.tokens for d in decoders], budgets,
                          [d.position for d in decoders], decoders)
@@ -97,7 +99,7 @@ def _split_recorded(c: st.RecordingArraysCache, i: int, n: int) -> st.RecordingA
 # ---- the drafts ----
 
 
-MAX_BATCHED_FEED = 4  # a draft lagging more catches up alone first (the batch pads every row to the longest feed)
+MAX_BATCHED_FEED = CATCH_UP_LAG  # a draft lagging more catches up alone first (the batch pads every row to the longest feed)
 
 
 def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: list[int], positions: list[int],

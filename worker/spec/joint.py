@@ -26,20 +26,25 @@ RECOVERY_PATHS = ("fast", "replay")
 CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
 
 
-def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: bool = False) -> str:
+def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: bool = False,
+                   timed_apart: bool = False) -> str:
     """Why a round of these decoders (drafting budgets[i] each) is not timed as a round of its
     shape, or "": a switching cost, paid once, that in the cost table would price every round
     of the shape as if it paid it, and keep the scheduler from choosing it again. A draft first
     feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a cycle after
     pipelined plain ones throws away the forward already computed ahead ("look-ahead discarded");
     an unbatched plain cycle after a drafting one (or the first) starts its pipeline ("plain
-    pipeline start": it builds two forwards and waits for the first)."""
+    pipeline start": it builds two forwards and waits for the first). With `timed_apart`, what
+    the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
+    than CATCH_UP_LAG tokens, a discarded look-ahead) is left out: the rest of the round is then
+    a round of its shape."""
     drafting = [d for d, k in zip(decoders, budgets) if k]
-    if any(d.draft_lacks_prompt for d in drafting):
+    fed_in_round = [d for d in drafting if not (timed_apart and d.draft_lag > CATCH_UP_LAG)]
+    if any(d.draft_lacks_prompt for d in fed_in_round):
         return "draft prefill"
-    if any(d.draft_lag > CATCH_UP_LAG for d in drafting):
+    if any(d.draft_lag > CATCH_UP_LAG for d in fed_in_round):
         return "draft catch-up"
-    if any(d._ahead is not None and (k or batched) for d, k in zip(decoders, budgets)):
+    if not timed_apart and any(d._ahead is not None and (k or batched) for d, k in zip(decoders, budgets)):
         return "look-ahead discarded"
     if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
         return "plain pipeline start"
@@ -83,6 +88,7 @@ class JointDecoder:
         self.stats = CycleStats()
         self._pending: Optional[tuple] = None
         self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
+        self._apart: dict[str, float] = {}  # switching costs paid on their own: seconds by reason
 
     # ---- start ----
 
@@ -112,6 +118,7 @@ class JointDecoder:
         if k == 0:
             return self._plain()
         self.settle()
+        self.catch_up_draft()
         t0 = time.perf_counter()
         drafted, qs = self.drafter.propose(self.tokens, k, self.position, self.params, self.key_fn)
         t1 = time.perf_counter()
@@ -146,15 +153,41 @@ class JointDecoder:
         return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn())
 
     def settle(self) -> None:
-        """Undoes a pending look-ahead: the cache holds every token but the last one again."""
+        """Undoes a pending look-ahead: the cache holds every token but the last one again. The
+        forward computed ahead is waited for first, and that wait is timed apart."""
         if self._ahead is not None:
+            t0 = time.perf_counter()
+            mx.eval(self._ahead[0])
             st.restore(self.cache, self._ahead[1])
             self._ahead = None
+            self._pay_apart("look-ahead discarded", time.perf_counter() - t0)
+
+    def catch_up_draft(self) -> None:
+        """Before drafting: a draft more than CATCH_UP_LAG tokens behind (the prompt, or the cycles
+        it sat out) first feeds them, evaluated and timed apart."""
+        if self.draft_lag > CATCH_UP_LAG:
+            why = "draft prefill" if self.draft_lacks_prompt else "draft catch-up"
+            t0 = time.perf_counter()
+            self.drafter.catch_up(self.tokens)
+            self._pay_apart(why, time.perf_counter() - t0)
+
+    def _pay_apart(self, why: str, seconds: float) -> None:
+        self._apart[why] = self._apart.get(why, 0.0) + seconds
+
+    def take_apart(self) -> dict[str, float]:
+        """The switching costs paid on their own since the last call: {reason: seconds}."""
+        out, self._apart = self._apart, {}
+        return out
 
     @property
     def consumed(self) -> list[int]:
         """The tokens the target cache holds now (with a look-ahead pending, y too)."""
         return self.tokens if self._ahead is not None else self.tokens[:-1]
+
+    @property
+    def looking_ahead(self) -> bool:
+        """Plain cycles have computed the next forward ahead (a drafting cycle throws it away)."""
+        return self._ahead is not None
 
     @property
     def draft_lacks_prompt(self) -> bool:
