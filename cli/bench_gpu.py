@@ -37,12 +37,14 @@ def run_gpu(args: argparse.Namespace) -> int:
     progress(f"device {gb.device()}; building target and draft ({args.dtype}, bits={args.bits})")
     target = gb.build(tcfg, dtype, 0, args.bits)
     draft = gb.build(dcfg, dtype, 1, args.bits)
-    fig: dict = {"device": gb.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small,
+    fig: dict = {"device": gb.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small, "gdn": args.gdn,
                  "env": {k: os.environ.get(k) for k in CUDA_GRAPH_ENV},
                  "target_params": gb.n_params(target), "draft_params": gb.n_params(draft)}
     fig["copy_bandwidth_GBps"] = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30) / 1e9
     prompt = list(range(1, args.prompt_tokens + 1))
     reps = args.repeats * 3
+    if gb.kernel_available():
+        fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, prompt, args, reps)
     fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
     for mode in gb.MODES:  # side by side; the rest of the run uses --mode's choice
         gb.set_mode(target, mode)
@@ -81,6 +83,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         f"plain decoding {plain:.1f} tok/s = {fig['plain_vs_roofline']:.0%} of the roofline {roof:.1f} tok/s "
         f"({bpt / 1e9:.1f} GB a token); forward {fig['mode']} (plain tok/s "
         + ", ".join(f"{m} {v:.1f}" for m, v in fig["plain_tps_by_mode"].items()) + ")",
+        _kernel_line(fig),
         f"target forward ms by tokens ({fig['mode']}): " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
         + "; recorded: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_recorded_ms"].items()),
         "draft step ms " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_step_ms"].items())
@@ -97,6 +100,35 @@ def run_gpu(args: argparse.Namespace) -> int:
     print_report("verity bench gpu", rows, ("α", "recovery", "budget", "tok/s", "×plain", "accept", "k mean",
                                             "draft", "verify", "recovery", "exact"), fig, args.json, footer)
     return 0
+
+
+def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
+    """The Gated-DeltaNet recurrence as one kernel (spec/gdn_kernel.py) against mlx-lm's
+    per-token ops, eager forwards, alternated over the repeats: its agreement with the ops, plain
+    decoding, the target's forward for 1 and 4 tokens, the draft's step. The rest of the run uses
+    the kernel unless --gdn ops."""
+    from worker.spec import gdn_kernel
+
+    out = {"check": gb.kernel_check(target)}
+    progress(f"Gated-DeltaNet kernel against ops: {out['check']}")
+    for m in (target, draft):
+        gb.set_mode(m, "eager")
+    figures: dict = {"ops": {}, "kernel": {}}
+    for rep in range(args.repeats):
+        for name in ("ops", "kernel") if rep % 2 == 0 else ("kernel", "ops"):
+            gdn_kernel.set_enabled(name == "kernel")
+            f = figures[name]
+            gb.plain_decode(target, prompt, 8)
+            f.setdefault("plain_tps", []).append(gb.plain_decode(target, prompt, args.tokens)[0])
+            for n in (1, 4):
+                f.setdefault(f"target_forward_{n}_ms", []).append(1e3 * gb.forward_cost(target, n, reps=reps))
+            f.setdefault("target_forward_4_recorded_ms", []).append(1e3 * gb.forward_cost(target, 4, reps=reps, record=True))
+            f.setdefault("draft_step_ms", []).append(1e3 * gb.forward_cost(draft, 1, reps=reps))
+    gdn_kernel.set_enabled(args.gdn == "kernel")
+    for name, f in figures.items():
+        out[name] = {k: statistics.median(v) for k, v in f.items()}
+    progress(f"ops {out['ops']}\nkernel {out['kernel']}")
+    return out
 
 
 def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced) -> list[tuple]:
@@ -136,6 +168,19 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     return out
 
 
+def _kernel_line(fig: dict) -> str:
+    k = fig.get("gdn_kernel")
+    if not k:
+        return "Gated-DeltaNet recurrence: mlx-lm's ops (no CUDA kernel here)"
+    o, n, c = k["ops"], k["kernel"], k["check"]
+    return (f"Gated-DeltaNet recurrence ops / one kernel (eager, medians): plain {o['plain_tps']:.1f} / {n['plain_tps']:.1f} tok/s, "
+            f"target forward 1 token {o['target_forward_1_ms']:.1f} / {n['target_forward_1_ms']:.1f} ms, 4 tokens "
+            f"{o['target_forward_4_ms']:.1f} / {n['target_forward_4_ms']:.1f}, recorded {o['target_forward_4_recorded_ms']:.1f} / "
+            f"{n['target_forward_4_recorded_ms']:.1f}, draft step {o['draft_step_ms']:.1f} / {n['draft_step_ms']:.1f}; kernel − ops: "
+            f"outputs {c['y_max_abs_diff']:.2g} (of {c['y_max_abs']:.2g}), states {c['state_max_abs_diff']:.2g} (of {c['state_max_abs']:.2g}); "
+            f"the run uses {'the kernel' if fig['gdn'] == 'kernel' else 'ops'}")
+
+
 def _goals(fig: dict) -> None:
     joint = fig["joint"]
     fast = [j for j in joint if j["recovery"] == "fast"]
@@ -171,6 +216,9 @@ def add_command(benches) -> None:
     p.add_argument("--ks", type=int, nargs="*", default=KS)
     p.add_argument("--reference-acceptance", action="store_true",
                    help="accept by comparing tokens even at full size (random bf16 weights flip near-ties: α drifts)")
+    p.add_argument("--gdn", choices=("kernel", "ops"), default="kernel",
+                   help="Gated-DeltaNet recurrence on a CUDA GPU: one kernel a forward, or mlx-lm's per-token ops "
+                        "(both are measured side by side first)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu)
 

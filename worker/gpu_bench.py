@@ -43,6 +43,12 @@ SMALL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_at
 DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
 
 
+def kernel_available() -> bool:
+    from worker.spec import gdn_kernel
+
+    return gdn_kernel.available()
+
+
 def device() -> str:
     d = mx.default_device()
     return f"{d} ({'CUDA' if mx.cuda.is_available() else 'Metal' if mx.metal.is_available() else 'CPU'})" if d == mx.gpu else str(d)
@@ -131,6 +137,38 @@ def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, recor
         return out
 
     return median_time(trimmed, reps)
+
+
+def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
+    """The Gated-DeltaNet kernel (spec/gdn_kernel.py) against mlx-lm's per-token ops on the
+    model's first linear layer's shapes, random inputs: largest differences of the outputs and of
+    every recorded state, and their scale."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    from worker.spec import gdn_kernel
+
+    attn = next(l.linear_attn for l in model.layers if hasattr(l, "linear_attn"))
+    B, Hk, Dk, Hv, Dv = 2, attn.num_k_heads, attn.head_k_dim, attn.num_v_heads, attn.head_v_dim
+    mx.random.seed(5)
+    q, k = (mx.random.normal((B, n_tokens, Hk, Dk)) / Dk ** 0.5).astype(mx.bfloat16), mx.random.normal((B, n_tokens, Hk, Dk)) / Dk ** 0.5
+    k = k.astype(mx.bfloat16)
+    v = mx.random.normal((B, n_tokens, Hv, Dv)).astype(mx.bfloat16)
+    g, beta = mx.random.uniform(0.8, 1.0, (B, n_tokens, Hv)), mx.random.uniform(0.0, 1.0, (B, n_tokens, Hv))
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    mask = mx.array([[True] * n_tokens, [True] * (n_tokens - 1) + [False]])
+    y, final, states = gdn_kernel.recurrence(q, k, v, g, beta, state, mask, keep=True)
+    ys, ss, s = [], [], state
+    for t in range(n_tokens):
+        yt, s = gated_delta_ops(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], s, mask[:, t:t + 1])
+        ys.append(yt)
+        ss.append(s)
+    ref_y = mx.concatenate(ys, axis=1)
+    on = mask[..., None, None]  # a masked (padding) token's output is 0 here, whatever ops leave there
+    return {"tokens": n_tokens, "y_max_abs_diff": mx.abs(mx.where(on, y.astype(mx.float32) - ref_y.astype(mx.float32), 0)).max().item(),
+            "y_max_abs": mx.abs(ref_y.astype(mx.float32)).max().item(),
+            "state_max_abs_diff": max(mx.abs(states[t] - ss[t]).max().item() for t in range(n_tokens)),
+            "final_equals_last_state": bool(mx.array_equal(final, states[-1]).item()),
+            "state_max_abs": mx.abs(ss[-1]).max().item()}
 
 
 def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10) -> float:

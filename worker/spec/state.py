@@ -23,6 +23,8 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
 
+from worker.spec import gdn_kernel
+
 
 class RecordingArraysCache(ArraysCache):
     """An ArraysCache that can keep the per-position states of one forward."""
@@ -87,7 +89,11 @@ def _recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
 
 
 def step_states(q, k, v, beta, g, state, mask=None):
-    """The recurrence one token at a time: (outputs [B, T, Hv, Dv], the state after each token)."""
+    """The recurrence one token at a time: (outputs [B, T, Hv, Dv], the state after each token).
+    On a CUDA GPU one kernel runs every token (spec/gdn_kernel.py)."""
+    if gdn_kernel.available() and gdn_kernel.fits(q, v):
+        y, _, states = gdn_kernel.recurrence(q, k, v, g, beta, state, mask, keep=True)
+        return y, [states[t] for t in range(q.shape[1])]
     T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
     if (r := Hv // Hk) > 1:
         q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
@@ -101,13 +107,16 @@ def step_states(q, k, v, beta, g, state, mask=None):
 
 
 def install_recording(model) -> bool:
-    """Lets the model's Gated-DeltaNet layers record per-position states; True if it has any."""
+    """Lets the model's Gated-DeltaNet layers record per-position states; True if it has any.
+    On a CUDA GPU their recurrence then runs as one kernel a forward (spec/gdn_kernel.py)."""
     found = False
     for layer in getattr(model, "layers", []):
         attn = getattr(layer, "linear_attn", None)
         if isinstance(attn, qwen3_5.GatedDeltaNet):
             attn.__class__ = RecordingGatedDeltaNet
             found = True
+    if found:
+        gdn_kernel.install()
     return found
 
 

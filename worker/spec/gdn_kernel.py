@@ -1,0 +1,138 @@
+"""The Gated-DeltaNet recurrence as one CUDA kernel per layer forward (MLX's CUDA backend).
+
+Off Metal, mlx-lm runs the recurrence one token at a time, some ten kernels a token in every
+Gated-DeltaNet layer, and on a GPU each launch costs more than its work (BENCHMARKS.md: a 9 B
+step is 5.5 ms of dispatch; a 4-token verify costs 2.5 one-token steps). This kernel runs all T
+tokens of a forward in one launch: one warp per (batch row, value head, value row), the row's
+state in registers, and writes the state after every token when the joint path records them
+(fast recovery) — no per-position copies.
+
+Per token it computes what mlx-lm's `_gated_delta_step_ops` computes (decay, delta rule, read
+out, a masked token leaving the state as it was), in float32, summing over the key dimension in
+another order: on a CUDA GPU every forward of a model uses it (`install`), so plain decoding, the
+baseline and the verify agree with one another.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+_HEADER = """
+__device__ __forceinline__ float verity_warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+  return x;
+}
+"""
+
+_SOURCE = """
+  constexpr int NPT = Dk / 32;
+  const int lane = threadIdx.x;
+  const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+  const int n = blockIdx.z;  // batch row * Hv + value head
+  const int b = n / Hv, hv = n % Hv, hk = hv / (Hv / Hk);
+  const InT* q_ = q + (size_t)b * T * Hk * Dk + hk * Dk;
+  const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk;
+  const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv;
+  InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv;
+  const size_t row = ((size_t)n * Dv + dv) * Dk;
+  float s[NPT];
+  for (int i = 0; i < NPT; ++i) s[i] = static_cast<float>(state_in[row + lane + 32 * i]);
+  for (int t = 0; t < T; ++t) {
+    if (ON) {
+      const float decay = static_cast<float>(g[((size_t)b * T + t) * Hv + hv]);
+      float kv = 0.f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] *= decay;
+        kv += s[i] * static_cast<float>(k_[t * Hk * Dk + lane + 32 * i]);
+      }
+      kv = verity_warp_sum(kv);
+      const float delta = (static_cast<float>(v_[t * Hv * Dv + dv]) - kv) *
+                          static_cast<float>(beta[((size_t)b * T + t) * Hv + hv]);
+      float out = 0.f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] += static_cast<float>(k_[t * Hk * Dk + lane + 32 * i]) * delta;
+        out += s[i] * static_cast<float>(q_[t * Hk * Dk + lane + 32 * i]);
+      }
+      out = verity_warp_sum(out);
+      if (lane == 0) y_[t * Hv * Dv + dv] = static_cast<InT>(out);
+    } else if (lane == 0) {
+      y_[t * Hv * Dv + dv] = static_cast<InT>(0.f);
+    }
+    KEEP
+  }
+  for (int i = 0; i < NPT; ++i) state_out[row + lane + 32 * i] = static_cast<StT>(s[i]);
+"""
+
+_KEEP = """for (int i = 0; i < NPT; ++i)
+      states[(size_t)t * NB + row + lane + 32 * i] = static_cast<StT>(s[i]);"""
+
+_kernels: dict = {}
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Switches the kernel off (mlx-lm's per-token ops then run): `verity bench gpu` measures both."""
+    global _enabled
+    _enabled = on
+
+
+def available() -> bool:
+    """True where the kernel runs: the default device is a CUDA GPU (and it is not switched off)."""
+    return _enabled and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def fits(q: mx.array, v: mx.array) -> bool:
+    return q.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0 and v.shape[-2] % q.shape[-2] == 0
+
+
+def _kernel(masked: bool, keep: bool):
+    key = (masked, keep)
+    if key not in _kernels:
+        inputs = ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
+        outputs = ["y", "state_out"] + (["states"] if keep else [])
+        source = _SOURCE.replace("ON", "mask[b * T + t]" if masked else "true").replace("KEEP", _KEEP if keep else "")
+        _kernels[key] = mx.fast.cuda_kernel(name=f"verity_gated_delta_{int(masked)}{int(keep)}", input_names=inputs,
+                                            output_names=outputs, source=source, header=_HEADER)
+    return _kernels[key]
+
+
+def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, keep: bool = False):
+    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk]; mask [B, T].
+    Returns (y [B, T, Hv, Dv], the final state, and with `keep` the state after every token
+    [T, B, Hv, Dv, Dk])."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    inputs = [q, k, v, g, beta, state] + ([mask.astype(mx.bool_)] if mask is not None else [])
+    shapes = [(B, T, Hv, Dv), state.shape] + ([(T, *state.shape)] if keep else [])
+    out = _kernel(mask is not None, keep)(
+        inputs=inputs,
+        template=[("InT", q.dtype), ("StT", state.dtype), ("T", T), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("NB", B * Hv * Dv * Dk)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
+        output_shapes=shapes, output_dtypes=[q.dtype, state.dtype] + ([state.dtype] if keep else []),
+    )
+    return tuple(out)
+
+
+def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
+    """mlx-lm's `gated_delta_update` (its gating, this kernel) where the kernel runs."""
+    from mlx_lm.models.gated_delta import compute_g, gated_delta_update as mlx_lm_update
+
+    if kw.get("lower_bound") is not None or kw.get("allow_neg_eigval") or not (available() and fits(q, v)):
+        return mlx_lm_update(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
+    if state is None:
+        state = mx.zeros((q.shape[0], *v.shape[2:], q.shape[-1]), dtype=mx.float32)
+    y, final = recurrence(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
+    return y, final
+
+
+def install() -> bool:
+    """On a CUDA GPU, mlx-lm's Qwen3.5 layers run their recurrence with this kernel; True if so."""
+    from mlx_lm.models import qwen3_5
+
+    if not available():
+        return False
+    qwen3_5.gated_delta_update = gated_delta_update
+    return True
