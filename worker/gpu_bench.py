@@ -273,14 +273,17 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     sched = scheduler or Scheduler(fixed=k)
     t0 = time.perf_counter()
     while len(out) < n:
-        budget = sched.plan(["r"], 1, [jd.draft_behind], [n - len(out) - 1])[0]
-        untimed = switching_cost([jd], [budget])  # not a cost sample
+        # as the engine's rounds (worker/engine.py): switching costs paid on their own are timed apart
+        budget = sched.plan(["r"], 1, [jd.draft_behind], [n - len(out) - 1], [jd.looking_ahead], pipelined=True)[0]
+        untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
+        jd.take_apart()
         t = time.perf_counter()
         emitted = jd.cycle(budget)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
         sched.observe_cycle("r", *jd.last_cycle)
-        sched.observe_round(time.perf_counter() - t, complete=not untimed, reason=untimed)
+        apart = jd.take_apart()
+        sched.observe_round(time.perf_counter() - t - sum(apart.values()), complete=not untimed, reason=untimed, apart=apart)
         out += emitted[:keep]
     wall = time.perf_counter() - t0
     s = jd.stats
