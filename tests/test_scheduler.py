@@ -97,20 +97,21 @@ def test_cost_model_keeps_only_complete_rounds():
 
 def test_a_cell_measured_again_after_a_long_gap_starts_anew():
     """A batch's first drafting rounds priced k = 1 out (they cost more than its later ones); a
-    probe STALE_GAP rounds later measures it again, and that fresh round replaces the stale ones.
-    Within the gap, rounds pool as usual."""
-    def run(gap: int) -> CostModel:
+    probe STALE_GAP rounds later measures it again, and that cheaper fresh round replaces the
+    stale ones. Within the gap, or dearer than them, rounds pool as usual."""
+    def run(gap: int, fresh: float = 0.15) -> CostModel:
         cm = CostModel()
         for _ in range(5):
             cm.observe((4, 4, 1), 0.24)
         for _ in range(gap):
             cm.observe((4, 0, 0), 0.12)
-        cm.observe((4, 4, 1), 0.15)
+        cm.observe((4, 4, 1), fresh)
         cm.commit()
         return cm
-    late, soon = run(STALE_GAP + 1), run(STALE_GAP - 1)
+    late, soon, dearer = run(STALE_GAP + 1), run(STALE_GAP - 1), run(STALE_GAP + 1, 0.30)
     assert late.table()["4,4,1"] == 0.15 and late.counts()["4,4,1"] == 1
     assert soon.table()["4,4,1"] == 0.24 and soon.counts()["4,4,1"] == 6
+    assert dearer.table()["4,4,1"] == 0.24 and dearer.counts()["4,4,1"] == 6
     assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
 
 

@@ -131,7 +131,7 @@ WINDOW = 32  # measurements per cell
 MAX_AGE = 256  # rounds after which a measurement expires (the machine's load changes; a cell
                # that is never chosen again would otherwise keep its old figure for good)
 STALE_GAP = 32  # rounds without a measurement of a cell after which its measurements are discarded
-                # when a new one comes (a cell left early in a batch, probed again much later)
+                # when a cheaper one comes (a cell left early in a batch, probed again much later)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart costs a probe pays besides its round
 DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain rounds, the forward it discards
@@ -168,9 +168,12 @@ class CostModel:
     bounded where the work is known to be ordered (see `estimate`). A measurement expires after
     MAX_AGE timed rounds; a drafting cell none of whose rounds is left is then priced by its
     ratio to the plain round (see `_live`), so its figure follows a change of load. A cell
-    measured again after STALE_GAP rounds without a measurement starts anew: its rounds came from
-    another spell (a batch's first rounds cost more than its later ones), and a probe's one fresh
-    round must be able to move a cell that a few early rounds priced out.
+    measured again after STALE_GAP rounds without a measurement, cheaper than its median, starts
+    anew: its rounds came from another spell (a batch's first rounds cost more than its later
+    ones), and a probe's one fresh round must be able to move a cell that a few early rounds
+    priced out, which nothing else would re-measure. A dearer fresh round only joins the others:
+    a probe's round is itself a little dearer than a steady one (the first of its shape after
+    plain rounds), and an estimate too cheap corrects itself by the drafting it brings about.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
     """
@@ -200,8 +203,8 @@ class CostModel:
         key, seconds = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
-        if cell and self.rounds - cell[-1][0] > STALE_GAP:
-            cell.clear()  # measured in another spell (the start of a batch, another load): start anew
+        if cell and self.rounds - cell[-1][0] > STALE_GAP and seconds < _median([t for _, t in cell]):
+            cell.clear()  # cheaper than in another spell (the start of a batch, another load): start anew
         if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
