@@ -192,6 +192,7 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     one = {"1,0,0": 0.054, "1,1,1": 0.068}  # one request: plain rounds pipeline the next forward
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
     assert probe_interval(one, 1, first=[0.3], discard=0.054) == 48  # a probe throws the forward ahead away: 0.068 + 0.054
+    assert probe_interval(one, 1, first=[0.3], discard=0.054, restart=0.045) == 90  # ... and the plain round after restarts it
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
     assert probe_interval(gpu, 1, first=[0.5]) == 203  # (0.050 - 1.5 × 0.009) / (2% of 0.009)
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)

@@ -396,7 +396,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
                    catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
-                   behind: bool = False) -> int:
+                   behind: bool = False, restart: float = 0.0) -> int:
     """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
     their position-1 estimates), so a change of text shows in one round, not one request's in
     turn, and the drafting round's cost is measured again. Its expected loss is its cost less the
@@ -408,11 +408,14 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     adds to its cost: a useless draft, or a launch-bound one on a GPU, is probed rarely.
     Unbatched plain rounds compute the next forward ahead, and a probe throws it away:
     `discard`, the median such forward, adds to its cost too (one request on this CPU: about a
-    plain round, where probes every few rounds cost a quarter of the speed)."""
+    plain round, where probes every few rounds cost a quarter of the speed), and so does
+    `restart`, what the plain round after it pays to start the pipeline again (one request on this
+    CPU: 45 ms over a 31 ms plain round; left out, a useless draft was probed once a request and
+    adaptive ran at 0.91 of baseline)."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
-    probe += discard or 0.0
+    probe += (discard or 0.0) + restart
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
@@ -486,14 +489,15 @@ class Scheduler:
         table, counts = self.cost.table_and_counts()
         catch_up = self.cost.catch_up_seconds(n_requests)
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
+        restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
         self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
-                                           discard, any(behind or []))
+                                           discard, any(behind or []), restart)
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
         behind = [b or a for b, a in zip(behind, ahead)]
-        stop_s = self._stop_seconds(table, counts, n_requests) if pipelined and not any(ahead) else 0.0
+        stop_s = restart if not any(ahead) else 0.0
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s)
         decide_s = time.perf_counter() - t0
         if self._log:
