@@ -4,6 +4,7 @@ of several joint requests decoded together under it."""
 from __future__ import annotations
 
 import itertools
+import io
 import json
 import math
 import random
@@ -16,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FREE_SIT_OUT, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, probe_interval, rank, survivals
+from worker.scheduler import FREE_SIT_OUT, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -113,6 +114,58 @@ def test_a_cell_measured_again_after_a_long_gap_starts_anew():
     assert soon.table()["4,4,1"] == 0.24 and soon.counts()["4,4,1"] == 6
     assert dearer.table()["4,4,1"] == 0.24 and dearer.counts()["4,4,1"] == 6
     assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
+
+
+def test_a_cell_that_starts_anew_drops_its_ratios_too():
+    """Once a drafting cell's rounds expire it is priced by its ratios to the plain round; a cell
+    that started anew must not be priced later by the ratios of the spell it left (a tiny model's
+    first drafting rounds cost 6× plain, its steady ones 1.2×)."""
+    cm = CostModel()
+    for _ in range(3):
+        cm.observe((1, 0, 0), 0.003)
+    for _ in range(5):
+        cm.observe((1, 1, 1), 0.020)
+    for _ in range(STALE_GAP + 1):
+        cm.observe((1, 0, 0), 0.003)
+    cm.observe((1, 1, 1), 0.004)
+    for _ in range(MAX_AGE):
+        cm.observe((1, 0, 0), 0.003)
+    cm.commit()
+    assert cm.counts()["1,1,1"] == 1 and cm.table()["1,1,1"] == pytest.approx(0.004)
+
+
+def test_plain_rounds_are_measured_again_while_drafting():
+    """Nothing measures plain rounds while drafting pays on paper: a plain figure from one early
+    round (36.7 ms where steady ones cost 33) kept one request drafting at α = 0.3, 8% below plain
+    decoding. A drafting decision gives way to plain rounds every plain_probe_interval rounds (at
+    least PLAIN_GAP): two where plain rounds are pipelined (the first restarts the pipeline and is
+    set apart), and the fresh figure decides. Replay reproduces the choice from the log."""
+    d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
+    assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
+    assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
+    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 96  # (0.086 + 2 × 1.2 ms) / (2% of 0.0461)
+    assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
+    assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]
+    log = io.StringIO()
+    s = Scheduler()
+    s._log = log
+    s.cost.cells = {(1, 0, 0): [(1, 0.0367)], (1, 1, 1): [(1, 0.0461)] * 9}
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
+    budgets: list[int] = []
+    for i in range(PLAIN_GAP + 8):
+        ahead = bool(budgets) and budgets[-1] == 0
+        k = s.plan(["r"], 1, ahead=[ahead], pipelined=True)[0]
+        if k:
+            s.observe_cycle("r", k, int(i % 3 == 0))
+            s.observe_round(0.0461, True)
+        else:
+            s.observe_round(0.033 if ahead else 0.085, ahead, "" if ahead else "plain pipeline start")
+        budgets.append(k)
+    assert budgets == [1] * PLAIN_GAP + [0] * 8
+    assert s.cost.table()["1,0,0"] == 0.033
+    assert replay(log.getvalue().splitlines()) == []
 
 
 def test_speculation_switches_off_when_it_does_not_pay():

@@ -142,6 +142,8 @@ PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under th
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
+PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
+                # figure from one early round kept one request drafting at α = 0.3 where it lost 8%
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -205,6 +207,7 @@ class CostModel:
         cell = self.cells.setdefault(key, [])
         if cell and self.rounds - cell[-1][0] > STALE_GAP and seconds < _median([t for _, t in cell]):
             cell.clear()  # cheaper than in another spell (the start of a batch, another load): start anew
+            self.ratios.pop(key, None)  # ... and so do its ratios, which would price it once its rounds expire
         if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
@@ -215,6 +218,11 @@ class CostModel:
             ratios = self.ratios.setdefault(key, [])
             ratios.append(seconds / _median(plain))
             del ratios[:-WINDOW]
+
+    def newest(self, key: tuple[int, int, int]) -> int:
+        """The round of the cell's newest measurement (0: none)."""
+        cell = self.cells.get(key)
+        return cell[-1][0] if cell else 0
 
     def catch_up_seconds(self, n: int, reasons: tuple = CATCH_UP_REASONS) -> float | None:
         """Median of the last WINDOW costs of n requests set apart for one of `reasons` (by default
@@ -349,7 +357,8 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
 
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
            probe: bool = False, counts: dict[str, int] | None = None,
-           behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0) -> dict:
+           behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
+           explore_plain: bool = False) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -362,7 +371,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     `stop_s`, what stopping costs (one request's plain rounds restart their pipeline), spread
     over SWITCH_HORIZON rounds, is added to B = 0: the mode changes only for a clear gain, since
     every change pays both once. With `probe`, a round that
-    would draft nothing drafts one token for each request, so acceptance keeps being observed.
+    would draft nothing drafts one token for each request, so acceptance keeps being observed;
+    with `explore_plain`, a round that would draft drafts nothing, so plain rounds keep being
+    measured (see `plain_probe_interval`).
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
@@ -384,14 +395,17 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
         if cost is not None:
             switching = switch_s / SWITCH_HORIZON if behind and any(k and x for k, x in zip(lengths, behind)) else 0.0
             switching += stop_s / SWITCH_HORIZON if b == 0 else 0.0
-            candidates.append({"B": b, "D": d, "cost": cost, "objective": gain / (cost + switching)})
+            candidates.append({"B": b, "D": d, "cost": cost, "gain": gain, "objective": gain / (cost + switching)})
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
     lengths = allocate(surv, budget)
-    if probe and budget == 0 and ranked:
+    explored = bool(explore_plain and budget)
+    if explored:
+        lengths, budget = [0] * len(surv), 0
+    elif probe and budget == 0 and ranked:
         lengths = [int(bool(row)) for row in surv]  # one token for every request that has room
         budget = sum(lengths)
-    return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": lengths}
+    return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": lengths, "explored": explored}
 
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
@@ -423,6 +437,23 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
 
 
+def plain_probe_interval(d: dict, n_requests: int, restart: float = 0.0, discard: float = 0.0) -> int:
+    """Rounds between measurements of plain rounds while drafting (`d`: the drafting decision).
+    Nothing else measures them then, and a figure from another spell keeps drafting that loses or
+    stops drafting that pays. Exploring costs the plain rounds' expected loss against the chosen
+    configuration's time per token, a pipeline's `restart` where plain rounds are pipelined (the
+    first of them is set apart, the second measured) and the forward computed ahead that drafting
+    again `discard`s; explorations come as often as keeps that under PROBE_SHARE of the time
+    between them, and at most every PLAIN_GAP rounds."""
+    cands = {c["B"]: c for c in d["candidates"]}
+    best, plain = cands.get(d["budget"]), cands.get(0)
+    if best is None or plain is None or not d["budget"]:
+        return PLAIN_GAP
+    rounds = 2 if restart else 1
+    loss = restart + discard + rounds * max(0.0, plain["cost"] - n_requests * best["cost"] / best["gain"])
+    return max(PLAIN_GAP, math.ceil(loss / (PROBE_SHARE * best["cost"])))
+
+
 # ---- the scheduler the engine runs ----
 
 POSITIONS = 8  # deepest draft of one request
@@ -447,6 +478,7 @@ class Scheduler:
         self._held: tuple[list[str], list[int]] | None = None  # the last decision: (requests, lengths)
         self._hold_left = 0  # rounds it still governs
         self._probe_every = PROBE_EVERY
+        self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -473,6 +505,8 @@ class Scheduler:
             lengths = d["allocation"]
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
+            if d["explored"] and pipelined:  # the first plain round restarts the pipeline: measure a second
+                self._hold_left = max(self._hold_left, 1)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         if self.fixed is None:
@@ -498,13 +532,16 @@ class Scheduler:
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
         behind = [b or a for b, a in zip(behind, ahead)]
         stop_s = restart if not any(ahead) else 0.0
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s)
+        explore = self.cost.rounds - self.cost.newest((n_requests, 0, 0)) >= self._plain_every.get(n_requests, PLAIN_GAP)
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore)
+        if d["budget"]:
+            self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
         decide_s = time.perf_counter() - t0
         if self._log:
             self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
-                                        "switch_s": switch_s, "stop_s": stop_s, **d}) + "\n")
+                                        "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore, **d}) + "\n")
         d["probe"], d["decide_s"] = probe, decide_s
         return d
 
@@ -577,7 +614,8 @@ def replay(lines: Sequence[str]) -> list[str]:
         if rec.get("held"):
             continue  # a round the previous decision governed (Scheduler._hold_rounds)
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
-                     rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0))
+                     rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
+                     rec.get("explore_plain", False))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")
