@@ -171,7 +171,7 @@ class CostModel:
     MAX_AGE timed rounds; a drafting cell none of whose rounds is left is then priced by its
     ratio to the plain round (see `_live`), so its figure follows a change of load. A cell
     measured again after STALE_GAP rounds without a measurement, cheaper than its median, starts
-    anew: its rounds came from another spell (a batch's first rounds cost more than its later
+    anew, its ratios with it: its rounds came from another spell (a batch's first rounds cost more than its later
     ones), and a probe's one fresh round must be able to move a cell that a few early rounds
     priced out, which nothing else would re-measure. A dearer fresh round only joins the others:
     a probe's round is itself a little dearer than a steady one (the first of its shape after
