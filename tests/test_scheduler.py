@@ -139,12 +139,14 @@ def test_plain_rounds_are_measured_again_while_drafting():
     round (36.7 ms where steady ones cost 33) kept one request drafting at α = 0.3, 8% below plain
     decoding. A drafting decision gives way to plain rounds every plain_probe_interval rounds (at
     least PLAIN_GAP): two where plain rounds are pipelined (the first restarts the pipeline and is
-    set apart), and the fresh figure decides. Replay reproduces the choice from the log."""
+    set apart), and the fresh figure decides; not where drafting leads by EXPLORE_MARGIN or more,
+    which no stale plain figure flips. Replay reproduces the choice from the log."""
     d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
     assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
     assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
     assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 96  # (0.086 + 2 × 1.2 ms) / (2% of 0.0461)
     assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
+    assert decide([[0.9]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [1]  # a 1.5× lead
     assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]
     log = io.StringIO()
     s = Scheduler()

@@ -144,6 +144,8 @@ FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-u
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%
+EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
+                       # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -372,8 +374,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     over SWITCH_HORIZON rounds, is added to B = 0: the mode changes only for a clear gain, since
     every change pays both once. With `probe`, a round that
     would draft nothing drafts one token for each request, so acceptance keeps being observed;
-    with `explore_plain`, a round that would draft drafts nothing, so plain rounds keep being
-    measured (see `plain_probe_interval`).
+    with `explore_plain`, a round that would draft drafts nothing where drafting leads by less than
+    EXPLORE_MARGIN, so plain rounds keep being measured (see `plain_probe_interval`).
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
@@ -399,7 +401,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
     budget = best["B"]
     lengths = allocate(surv, budget)
-    explored = bool(explore_plain and budget)
+    plain = candidates[0]  # B = 0 is always the first candidate
+    explored = bool(explore_plain and budget and best["objective"] < EXPLORE_MARGIN * plain["objective"])
     if explored:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
