@@ -57,7 +57,7 @@ def _chat(text: str, tokens: int, mode: str):
                              ignore_eos=True, mode=mode)
 
 
-def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict):
+def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict, log: Optional[str] = None):
     from worker.engine import Engine, EngineConfig
     from worker.spec.draft import ControlledDrafter
 
@@ -68,7 +68,8 @@ def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict):
         def factory(rid, prompt):
             i, ref = references[tuple(prompt)]  # seeded by the prompt: every configuration meets the same hard tokens
             return ControlledDrafter(sc.draft.model, ref, sc.alpha, vocab, seed=i)
-    return Engine(sc.target, EngineConfig(max_active=4, draft_budget=budget, batch_verify=batch), sc.draft, factory)
+    config = EngineConfig(max_active=4, draft_budget=budget, batch_verify=batch, decision_log=log)
+    return Engine(sc.target, config, sc.draft, factory)
 
 
 def _run(engine, sc: Scenario, mode: str, n: int) -> tuple[float, list]:
@@ -96,7 +97,7 @@ def _configs(ks: tuple, concurrency: int) -> list[tuple[str, str, Optional[int],
     return rows
 
 
-def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int) -> dict:
+def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int, log_dir: Optional[str] = None) -> dict:
     from worker.text import render_prompt
 
     configs = _configs(ks, concurrency)
@@ -104,7 +105,12 @@ def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int) -> d
     _, base_runs = _run(base_engine, sc, "baseline", concurrency)  # the greedy continuations
     references = {tuple(render_prompt(sc.target.tokenizer, _chat(PROMPTS[i], sc.tokens, "baseline"))): (i, base_runs[i])
                   for i in range(concurrency)}
-    engines = {name: _engine(sc, budget, batch, references) for name, mode, budget, batch in configs}
+    def log(name: str) -> Optional[str]:  # adaptive engines' decision logs, one file each
+        if not log_dir or not name.startswith("adaptive"):
+            return None
+        stem = f"{sc.name.split(' (')[0]}-x{concurrency}-adaptive{'-unbatched' if ',' in name else ''}"
+        return str(Path(log_dir) / (stem.replace(", ", "_").replace(" ", "_") + ".jsonl"))
+    engines = {name: _engine(sc, budget, batch, references, log(name)) for name, mode, budget, batch in configs}
     for _ in range(WARMUP_RUNS):  # shapes compile, the cost model learns
         for (name, mode, _, _) in configs:
             _run(engines[name], sc, mode, concurrency)
@@ -176,12 +182,14 @@ def run_sched(args: argparse.Namespace) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     ks = tuple(args.ks or KS)
+    if args.decision_log:
+        Path(args.decision_log).mkdir(parents=True, exist_ok=True)
     args.alphas = tuple(args.alphas or ALPHAS)
     rows, figures, ratios = [], {"rows": []}, []
     for sc in _build(args):
         for c in args.concurrency or (1, 4):
             progress(f"{sc.name}, {c} concurrent")
-            res = _scenario_rows(sc, ks, c, args.repeats)
+            res = _scenario_rows(sc, ks, c, args.repeats, args.decision_log)
             base = res["baseline"]["tokens_per_s"]
             best_k = max((n for n in res if n.startswith("k=")), key=lambda n: res[n]["tokens_per_s"])
             best = res[best_k]["tokens_per_s"]
@@ -229,5 +237,7 @@ def add_command(benches) -> None:
     p.add_argument("--skip-embedded", action="store_true", help="skip the controlled-acceptance rows")
     p.add_argument("--skip-distilled", action="store_true", help="skip the embedded model with its distilled draft")
     p.add_argument("--quick", action="store_true", help="small settings (for tests)")
+    p.add_argument("--decision-log", metavar="DIR", default=None,
+                   help="write each adaptive engine's decisions to DIR/<scenario>-x<n>-adaptive[-unbatched].jsonl (`verity replay` reads them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_sched)

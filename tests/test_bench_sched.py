@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 
-def test_bench_sched_quick():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "sched", "--quick", "--skip-embedded", "--skip-distilled", "--json"],
-                       capture_output=True, text=True, timeout=600)
+def test_bench_sched_quick(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "sched", "--quick", "--skip-embedded", "--skip-distilled", "--json",
+                        "--decision-log", str(tmp_path / "logs")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     figures = json.loads(r.stdout.strip().splitlines()[-1])
     rows = figures["rows"]
@@ -23,6 +23,12 @@ def test_bench_sched_quick():
         assert len(runs["adaptive"]) == len(runs["baseline"]) >= 1
         assert row["adaptive_vs_baseline"] == statistics.median(a / b for a, b in zip(runs["adaptive"], runs["baseline"]))
         assert row["ratio_of_medians_vs_baseline"] == row["adaptive"] / row["baseline"]
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())  # every adaptive engine's decisions, replayable
+    assert logs == ["tiny_hybrid-x1-adaptive.jsonl", "tiny_hybrid-x4-adaptive-unbatched.jsonl", "tiny_hybrid-x4-adaptive.jsonl"]
+    for name in logs:
+        replay = subprocess.run([sys.executable, "-m", "cli.main", "replay", str(tmp_path / "logs" / name)],
+                                capture_output=True, text=True, timeout=120)
+        assert replay.returncode == 0 and (tmp_path / "logs" / name).stat().st_size > 0, replay.stdout[-2000:]
 
 
 def test_the_controlled_draft_meets_the_same_hard_tokens_whatever_the_budget():
