@@ -146,9 +146,6 @@ PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, a
                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
-LOAD_RATE = 0.2  # per round, the share of its log-ratio to its cell's median that moves the load factor:
-                 # fast enough to follow a shift before it moves the cell's own median (half a window)
-LOAD_CLIP = 1.5  # ... the ratio clipped to within this factor either way (stalls are set apart)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -159,7 +156,7 @@ def _median(xs: Sequence[float]) -> float:
 
 
 class CostModel:
-    """A table C(N, B, D) of median round times over a sliding window, at the machine's load now.
+    """A table C(N, B, D) of median round times over a sliding window.
 
     A table, not fitted parts: measured costs are staircases (kernel tiles, cache lines, BLAS
     paths, the first drafted token's padding of every verify row), and a round's cost is what
@@ -172,33 +169,25 @@ class CostModel:
     can be nearly free), or, with one drafting depth measured, at PRIOR_SLOPE × the plain round's
     cost per depth (the first depth's jump is mostly the fixed cost of drafting at all), so that a
     deeper draft that might pay gets tried and is then priced by its own measurement. Noise is
-    bounded where the work is known to be ordered (see `estimate`).
-
-    Load: cells are compared at one speed of the machine, though only the cells chosen are
-    measured, and this machine's speed drifts ±20% over tens of seconds (a plain figure from a
-    slow spell against a drafting one from a fast spell kept one request drafting where it lost
-    13%). Each round of a cell with MIN_SAMPLES rounds moves a load factor `load` by LOAD_RATE
-    of its log-ratio to that cell's median, and is stored divided by it: every cell's figure
-    follows the rounds measured now (`table` multiplies back), and as the factor jitters with
-    every cell alike, decisions, which compare cells, do not. A measurement
-    expires after MAX_AGE timed rounds (context grows, shapes change); a drafting cell none of
-    whose rounds is left keeps its last figures while its N's plain round is measured (forgotten,
-    it would be priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was
-    tried again after every MAX_AGE rounds). A cell measured again after STALE_GAP rounds without
-    a measurement, cheaper than its median, starts anew: its rounds came from another spell (a
-    batch's first rounds cost more than its later ones), and a probe's one fresh round must be
-    able to move a cell that a few early rounds priced out, which nothing else would re-measure.
-    A dearer fresh round only joins the others: a probe's round is itself a little dearer than a
-    steady one (the first of its shape after plain rounds), and an estimate too cheap corrects
-    itself by the drafting it brings about. Fed one round late: `observe` holds a round until the
-    next `commit`, so a round that is later found interrupted (`interrupt`) never enters the table.
+    bounded where the work is known to be ordered (see `estimate`). A measurement expires after
+    MAX_AGE timed rounds; a drafting cell unmeasured for STALE_GAP rounds is priced by its
+    ratio to the plain round (see `_live`), so its figure follows a change of load. A stale cell
+    dearer than one that does more work is priced by its neighbours (see `_contradicted`). A cell
+    measured again after STALE_GAP rounds without a measurement, cheaper than its median, starts
+    anew, its ratios with it: its rounds came from another spell (a batch's first rounds cost more than its later
+    ones), and a probe's one fresh round must be able to move a cell that a few early rounds
+    priced out, which nothing else would re-measure. A dearer fresh round only joins the others:
+    a probe's round is itself a little dearer than a steady one (the first of its shape after
+    plain rounds), and an estimate too cheap corrects itself by the drafting it brings about.
+    Fed one round late: `observe` holds a round until the next `commit`, so a round that is
+    later found interrupted (`interrupt`) never enters the table.
     """
 
     PRIOR_SLOPE = 0.25  # guessed extra cost of one more draft depth, relative to a plain round
 
     def __init__(self):
-        self.cells: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # (round, seconds ÷ load then)
-        self.load = 1.0  # the machine's speed factor now, relative to the cells' stored figures
+        self.cells: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # (round, seconds)
+        self.ratios: dict[tuple[int, int, int], list[float]] = {}  # seconds ÷ the plain round's median then
         self.rounds = 0
         self.pending: tuple | None = None
         self.set_apart: deque = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
@@ -219,17 +208,19 @@ class CostModel:
         key, seconds = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
-        u = seconds / self.load
-        if cell and self.rounds - cell[-1][0] > STALE_GAP and u < _median([t for _, t in cell]):
-            cell.clear()  # cheaper than in another spell (the start of a batch): start anew
-        if len(cell) >= 3 and u > STALL_FACTOR * _median([t for _, t in cell]):
+        if cell and self.rounds - cell[-1][0] > STALE_GAP and seconds < _median([t for _, t in cell]):
+            cell.clear()  # cheaper than in another spell (the start of a batch, another load): start anew
+            self.ratios.pop(key, None)  # ... and so do its ratios, which would price it once its rounds expire
+        if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
-        live = [t for r, t in cell if r > self.rounds - MAX_AGE]
-        if len(live) >= MIN_SAMPLES:
-            self.load *= min(LOAD_CLIP, max(1 / LOAD_CLIP, u / _median(live))) ** LOAD_RATE
-        cell.append((self.rounds, seconds / self.load))
+        cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
+        plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - MAX_AGE]
+        if key[1] and plain:
+            ratios = self.ratios.setdefault(key, [])
+            ratios.append(seconds / _median(plain))
+            del ratios[:-WINDOW]
 
     def newest(self, key: tuple[int, int, int]) -> int:
         """The round of the cell's newest measurement (0: none)."""
@@ -244,12 +235,18 @@ class CostModel:
         return _median(xs) if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
-        """Each cell's unexpired rounds at today's load; a drafting cell whose rounds all expired
-        keeps its last ones while its N's plain round is measured (see the class)."""
-        live = {key: [t * self.load for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
+        """Each cell's unexpired rounds; a drafting cell unmeasured for STALE_GAP rounds (its rounds
+        expired or not) is priced by its ratio to the plain round measured alongside, times the
+        plain round's median now, so its figure follows the machine's load while plain rounds are
+        what is measured (a k = 1 figure kept from a fast spell against plain rounds of a slow one,
+        44 ms against 36 before, had kept one request drafting where it lost; forgotten, it would be
+        priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was tried
+        again after every MAX_AGE rounds)."""
+        live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
         for key, v in live.items():
-            if not v and key[1] and live.get((key[0], 0, 0)):
-                live[key] = [t * self.load for _, t in self.cells[key]]
+            plain = live.get((key[0], 0, 0))
+            if key[1] and plain and self.ratios.get(key) and self.rounds - self.newest(key) > STALE_GAP:
+                live[key] = [x * _median(plain) for x in self.ratios[key]]
         return {key: v for key, v in live.items() if v}
 
     def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
@@ -568,8 +565,7 @@ class Scheduler:
             self._log.write(json.dumps({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
-                                        "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore, "load": self.cost.load,
-                                        **d}) + "\n")
+                                        "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore, **d}) + "\n")
         d["probe"], d["decide_s"] = probe, decide_s
         return d
 
