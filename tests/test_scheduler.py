@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FREE_SIT_OUT, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -318,17 +318,22 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
     assert probe_interval(one, 1, first=[0.3], discard=0.054) == 48  # a probe throws the forward ahead away: 0.068 + 0.054
     assert probe_interval(one, 1, first=[0.3], discard=0.054, restart=0.045) == 90  # ... and the plain round after restarts it
-    gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: a probe costs 5.6 plain rounds
-    assert probe_interval(gpu, 1, first=[0.5]) == 203  # (0.050 - 1.5 × 0.009) / (2% of 0.009)
+    slow = {"1,0,0": 0.009, "1,1,1": 0.020}  # a dear draft: a probe costs 2.2 plain rounds
+    assert probe_interval(slow, 1, first=[0.5]) == 37  # (0.020 - 1.5 × 0.009) / (2% of 0.009), rounded up
+    gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: 5.6 plain rounds, no acceptance pays
+    assert probe_interval(gpu, 1, first=[0.5]) == probe_interval(gpu, 1, first=[1.0]) == HOPELESS_EVERY
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
     assert d["allocation"] == [1, 1, 0] and d["budget"] == 2  # the third request has no room
     s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.050)] * 5}
+    s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.015)] * 5}
     for _ in range(100):
         s.observe_cycle("r", 1, 0)
     a = s.acceptance["r"].rates(s.shared_rates())[0]
     budgets = [s.plan(["r"], 1)[0] for _ in range(300)]
-    assert a < 0.05 and sum(budgets) == 1 and budgets.index(1) == math.ceil((0.050 - 0.009 * (1 + a)) / (0.02 * 0.009))
+    first = math.ceil((0.015 - 0.009 * (1 + a)) / (0.02 * 0.009))
+    assert a < 0.05 and budgets.index(1) == first and sum(budgets) == 300 // (first + 1)
+    s.cost.cells[(1, 1, 1)] = [(0, 0.050)] * 5  # no acceptance would pay: no probe
+    assert sum(s.plan(["r"], 1)[0] for _ in range(300)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -502,7 +507,7 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     a request joining or leaving, or a due probe, ends the hold at once."""
     def sched(plain_s, log=None):
         s = Scheduler(log_path=log)
-        s.cost.cells = {(1, 0, 0): [(0, plain_s)] * 9, (1, 1, 1): [(0, 3 * plain_s)] * 9, (2, 0, 0): [(0, plain_s)] * 9}
+        s.cost.cells = {(1, 0, 0): [(0, plain_s)] * 9, (1, 1, 1): [(0, 2.5 * plain_s)] * 9, (2, 0, 0): [(0, plain_s)] * 9}
         for _ in range(20):
             s.observe_cycle("a", 1, 0)  # the draft is rejected: plain pays
         return s
@@ -521,8 +526,11 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     r = subprocess.run([sys.executable, "-m", "cli.main", "replay", str(log)], capture_output=True, text=True)
     assert r.returncode == 0 and "0 differences" in r.stderr, r.stdout + r.stderr
     probing = sched(1e-6)
-    budgets = [probing.plan(["a"], 1)[0] for _ in range(200)]
-    every = probing._probe_every  # as the last decision computed it
+    budgets, everys = [], []
+    for _ in range(200):
+        budgets.append(probing.plan(["a"], 1)[0])
+        everys.append(probing._probe_every)  # as the round's decision (or the last one) computed it
+    every = everys[budgets.index(1)]
     assert every % (MAX_HOLD + 1) != 0  # the probe falls due within a hold
     assert budgets[: every + 1] == [0] * every + [1]  # the hold does not delay it
 

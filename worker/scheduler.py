@@ -138,6 +138,7 @@ DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain ro
 PIPELINE_REASONS = ("plain pipeline start",)  # what stopping costs where plain rounds are pipelined
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
+HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
 PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
@@ -449,16 +450,31 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     plain round, where probes every few rounds cost a quarter of the speed), and so does
     `restart`, what the plain round after it pays to start the pipeline again (one request on this
     CPU: 45 ms over a 31 ms plain round; left out, a useless draft was probed once a request and
-    adaptive ran at 0.91 of baseline)."""
+    adaptive ran at 0.91 of baseline). Where no depth within reach would beat plain rounds even
+    with every draft accepted, acceptance cannot change the decision, and probes come every
+    HOPELESS_EVERY rounds (a tiny pair whose draft costs as much as its target lost 4% to probes
+    and their catch-ups on requests of 1,536 tokens; a launch-bound draft on a GPU)."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
+    if not _could_pay(table, n_requests, len(first), counts, plain):
+        return HOPELESS_EVERY
     probe += (discard or 0.0) + restart
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
     cost = probe + (catch_up or 0.0)
     return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
+
+
+def _could_pay(table: dict[str, float], n: int, joint: int, counts: dict[str, int] | None, plain: float) -> bool:
+    """Whether drafting d tokens for each of `joint` requests, all accepted, beats plain rounds
+    at some depth d within reach."""
+    for d in range(1, _reach(table, n) + 1):
+        cost = estimate(table, n, joint * d, d, counts)
+        if cost is not None and (n + joint * d) / cost > n / plain:
+            return True
+    return False
 
 
 def plain_probe_interval(d: dict, n_requests: int, restart: float = 0.0, discard: float = 0.0) -> int:
