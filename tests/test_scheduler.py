@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -221,7 +221,7 @@ def test_plain_rounds_are_measured_again_while_drafting():
     log = io.StringIO()
     s = Scheduler()
     s._log = log
-    s.cost.cells = {(1, 0, 0): [(1, 0.0367)], (1, 1, 1): [(1, 0.0461)] * 9}
+    s.cost.cells = {(1, 0, 0): [(1, 0.0367)] * 3, (1, 1, 1): [(1, 0.0461)] * 9}
     s.cost.rounds = 1
     for i in range(100):
         s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
@@ -237,6 +237,33 @@ def test_plain_rounds_are_measured_again_while_drafting():
         budgets.append(k)
     assert budgets == [1] * PLAIN_GAP + [0] * 8
     assert s.cost.table()["1,0,0"] == 0.033
+    assert replay(log.getvalue().splitlines()) == []
+
+
+def test_a_plain_cell_of_few_rounds_is_measured_again_soon():
+    """An engine's first plain round (38 ms, against 31 ms steady) was the plain cell's only one,
+    and k = 1 (44 ms) drafted 100 rounds at α = 0.3 before PLAIN_GAP let plain rounds be measured
+    again. While the plain cell has fewer than MIN_SAMPLES rounds, plain rounds are explored
+    every FEW_PLAIN_GAP drafting rounds, and the fresh figures stop the drafting."""
+    log = io.StringIO()
+    s = Scheduler()
+    s._log = log
+    s.cost.cells = {(1, 0, 0): [(1, 0.038)], (1, 1, 1): [(1, 0.044)] * 9}
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 10 < 3))
+    budgets: list[int] = []
+    for i in range(4 * FEW_PLAIN_GAP):
+        ahead = bool(budgets) and budgets[-1] == 0
+        k = s.plan(["r"], 1, ahead=[ahead], pipelined=True)[0]
+        if k:
+            s.observe_cycle("r", k, int(i % 10 < 3))
+            s.observe_round(0.044, True)
+        else:
+            s.observe_round(0.031 if ahead else 0.076, ahead, "" if ahead else "plain pipeline start")
+        budgets.append(k)
+    assert budgets[:FEW_PLAIN_GAP + 1] == [1] * FEW_PLAIN_GAP + [0]
+    assert budgets[-FEW_PLAIN_GAP:] == [0] * FEW_PLAIN_GAP and s.cost.counts()["1,0,0"] >= MIN_SAMPLES
     assert replay(log.getvalue().splitlines()) == []
 
 

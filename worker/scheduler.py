@@ -145,6 +145,8 @@ FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-u
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%
+FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds: one engine's
+                   # first plain round (38 ms against 31 steady) kept α = 0.3 drafting 100 rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
@@ -572,7 +574,8 @@ class Scheduler:
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
         behind = [b or a for b, a in zip(behind, ahead)]
         stop_s = restart if not any(ahead) else 0.0
-        explore = self.cost.rounds - self.cost.newest((n_requests, 0, 0)) >= self._plain_every.get(n_requests, PLAIN_GAP)
+        gap = self._plain_every.get(n_requests, PLAIN_GAP) if counts.get(f"{n_requests},0,0", 0) >= MIN_SAMPLES else FEW_PLAIN_GAP
+        explore = self.cost.rounds - self.cost.newest((n_requests, 0, 0)) >= gap
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore)
         if d["budget"]:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
