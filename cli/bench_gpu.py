@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 from cli.bench import print_report, progress
 
@@ -138,7 +139,8 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     from worker.scheduler import Scheduler
 
     configs = [("adaptive" if k is None else f"k={k}", k) for k in list(args.ks) + [None]]
-    scheds = {name: Scheduler(fixed=k) for name, k in configs}  # each learns across its runs, as a server's would
+    logs = {name: _log_path(args, f"a{alpha}-{recovery}-{name}") if k is None else None for name, k in configs}
+    scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
     run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731
                                           recovery, k, vocab, scheds[name], forced)
     for name, k in configs:
@@ -166,6 +168,14 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
                     f"{r.recovery_s / cycle:.1%}", f"{len(rs) - differ}/{len(rs)}"))
         progress(f"  α={alpha} {recovery} {name}: {r.tokens_per_s:.1f} tok/s, {vs_plain:.2f}× plain")
     return out
+
+
+def _log_path(args, name: str) -> str | None:
+    """The adaptive scheduler's decision log under --decision-log DIR (one JSON-lines file each)."""
+    if not args.decision_log:
+        return None
+    Path(args.decision_log).mkdir(parents=True, exist_ok=True)
+    return str(Path(args.decision_log) / f"{name}.jsonl")
 
 
 def _kernel_line(fig: dict) -> str:
@@ -219,6 +229,9 @@ def add_command(benches) -> None:
     p.add_argument("--gdn", choices=("kernel", "ops"), default="kernel",
                    help="Gated-DeltaNet recurrence on a CUDA GPU: one kernel a forward, or mlx-lm's per-token ops "
                         "(both are measured side by side first)")
+    p.add_argument("--decision-log", metavar="DIR", default=None,
+                   help="keep each adaptive scheduler's decisions and round times here (one JSON-lines file each, for "
+                        "`verity replay`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu)
 

@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 
-def test_bench_gpu_small():
+def test_bench_gpu_small(tmp_path):
+    logs = tmp_path / "decisions"
     r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "gpu", "--small", "--dtype", "fp32", "--tokens", "12",
-                        "--repeats", "1", "--alphas", "0.8", "--ks", "0", "1", "2", "--json"],
+                        "--repeats", "1", "--alphas", "0.8", "--ks", "0", "1", "2", "--decision-log", str(logs), "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     fig = json.loads(r.stdout.strip().splitlines()[-1])
@@ -24,6 +25,12 @@ def test_bench_gpu_small():
         assert len(j["runs_tps"]) == len(j["plain_tps"]) == 1 and j["vs_plain"] == j["runs_tps"][0] / j["plain_tps"][0]
     assert {j["alpha"] for j in fig["joint"] if "vs_best_fixed" in j} == {0.8}
     assert fig["ratio"] > 0 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
+    assert sorted(p.name for p in logs.iterdir()) == ["a0.8-fast-adaptive.jsonl", "a0.8-replay-adaptive.jsonl"]
+    for log in logs.iterdir():  # the adaptive schedulers' decisions and round times, which replay reproduces
+        recs = [json.loads(line) for line in log.read_text().splitlines()]
+        assert any("budget" in rec for rec in recs) and any("observed" in rec for rec in recs)
+        replay = subprocess.run([sys.executable, "-m", "cli.main", "replay", str(log)], capture_output=True, text=True)
+        assert replay.returncode == 0, replay.stdout + replay.stderr
 
 
 def test_fused_layers_compute_what_eager_layers_compute():

@@ -214,7 +214,7 @@ def test_plain_rounds_are_measured_again_while_drafting():
     d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
     assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
     assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
-    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 96  # (0.086 + 2 × 1.2 ms) / (2% of 0.0461)
+    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 98  # (0.086 + 3 × 1.2 ms) / (2% of 0.0461)
     assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
     assert decide([[0.9]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [1]  # a 1.5× lead
     assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]
@@ -227,17 +227,26 @@ def test_plain_rounds_are_measured_again_while_drafting():
         s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
     budgets: list[int] = []
     for i in range(PLAIN_GAP + 8):
-        ahead = bool(budgets) and budgets[-1] == 0
-        k = s.plan(["r"], 1, ahead=[ahead], pipelined=True)[0]
+        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
         if k:
             s.observe_cycle("r", k, int(i % 3 == 0))
             s.observe_round(0.0461, True)
         else:
-            s.observe_round(0.033 if ahead else 0.085, ahead, "" if ahead else "plain pipeline start")
+            _observe_pipelined_plain(s, budgets, (0.085, 0.042, 0.033))
         budgets.append(k)
     assert budgets == [1] * PLAIN_GAP + [0] * 8
     assert s.cost.table()["1,0,0"] == 0.033
     assert replay(log.getvalue().splitlines()) == []
+
+
+def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[float, float, float]) -> None:
+    """A pipelined plain round as the engine reports it: the first after drafting starts the
+    pipeline, the second waits for a forward nothing overlapped (both set apart), then steady."""
+    run = len(budgets) - next((i + 1 for i in reversed(range(len(budgets))) if budgets[i]), 0)
+    if run < 2:
+        s.observe_round(costs[run], False, ("plain pipeline start", "plain pipeline second")[run])
+    else:
+        s.observe_round(costs[2], True)
 
 
 def test_a_plain_cell_of_few_rounds_is_measured_again_soon():
@@ -254,13 +263,12 @@ def test_a_plain_cell_of_few_rounds_is_measured_again_soon():
         s.observe_cycle(f"old{i // 50}", 1, int(i % 10 < 3))
     budgets: list[int] = []
     for i in range(4 * FEW_PLAIN_GAP):
-        ahead = bool(budgets) and budgets[-1] == 0
-        k = s.plan(["r"], 1, ahead=[ahead], pipelined=True)[0]
+        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
         if k:
             s.observe_cycle("r", k, int(i % 10 < 3))
             s.observe_round(0.044, True)
         else:
-            s.observe_round(0.031 if ahead else 0.076, ahead, "" if ahead else "plain pipeline start")
+            _observe_pipelined_plain(s, budgets, (0.076, 0.042, 0.031))
         budgets.append(k)
     assert budgets[:FEW_PLAIN_GAP + 1] == [1] * FEW_PLAIN_GAP + [0]
     assert budgets[-FEW_PLAIN_GAP:] == [0] * FEW_PLAIN_GAP and s.cost.counts()["1,0,0"] >= MIN_SAMPLES
@@ -398,10 +406,10 @@ def test_four_concurrent_joint_requests_equal_their_baselines(pair_name, llama_p
     base = _run(Engine(pair.target, EngineConfig(max_active=1)), {k: v for k, v in reqs.items() if k.startswith("base")})
     for i in range(len(texts)):
         assert joint[f"joint{i}"] == base[f"baseline{i}"]
-    lines = log.read_text().splitlines()
-    assert len(lines) > 10 and any(json.loads(x)["budget"] > 0 for x in lines)
-    assert not any(json.loads(x).get("held") for x in lines)
-    assert any(len(json.loads(x)["requests"]) == 4 for x in lines)
+    decisions = [rec for rec in map(json.loads, log.read_text().splitlines()) if "observed" not in rec]
+    assert len(decisions) > 10 and any(rec["budget"] > 0 for rec in decisions)
+    assert not any(rec.get("held") for rec in decisions)
+    assert any(len(rec["requests"]) == 4 for rec in decisions)
 
 
 def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_path):
@@ -415,6 +423,9 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 differences" in r.stderr
     lines = log.read_text().splitlines()
+    observed = [rec for rec in map(json.loads, lines) if "observed" in rec]  # every round's time, beside the decisions
+    assert sum(rec["complete"] for rec in observed) == engine.scheduler.cost.rounds
+    assert all(rec["observed"] > 0 and len(rec["shape"]) == 3 and (rec["complete"] or rec["reason"]) for rec in observed)
     i = max(i for i, line in enumerate(lines) if any(json.loads(line).get("acceptance", [])[:1]))  # the last that could draft
     rec = json.loads(lines[i])
     rec["acceptance"][0][0] = 0.01 if rec["acceptance"][0][0] > 0.5 else 0.99

@@ -135,7 +135,7 @@ STALE_GAP = 32  # rounds without a measurement of a cell after which its measure
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart costs a probe pays besides its round
 DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain rounds, the forward it discards
-PIPELINE_REASONS = ("plain pipeline start",)  # what stopping costs where plain rounds are pipelined
+PIPELINE_REASONS = ("plain pipeline start", "plain pipeline second")  # what stopping costs where plain rounds are pipelined
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
 HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
@@ -484,14 +484,14 @@ def plain_probe_interval(d: dict, n_requests: int, restart: float = 0.0, discard
     Nothing else measures them then, and a figure from another spell keeps drafting that loses or
     stops drafting that pays. Exploring costs the plain rounds' expected loss against the chosen
     configuration's time per token, a pipeline's `restart` where plain rounds are pipelined (the
-    first of them is set apart, the second measured) and the forward computed ahead that drafting
+    first two of them are set apart, the third measured) and the forward computed ahead that drafting
     again `discard`s; explorations come as often as keeps that under PROBE_SHARE of the time
     between them, and at most every PLAIN_GAP rounds."""
     cands = {c["B"]: c for c in d["candidates"]}
     best, plain = cands.get(d["budget"]), cands.get(0)
     if best is None or plain is None or not d["budget"]:
         return PLAIN_GAP
-    rounds = 2 if restart else 1
+    rounds = 1 + len(PIPELINE_REASONS) if restart else 1
     loss = restart + discard + rounds * max(0.0, plain["cost"] - n_requests * best["cost"] / best["gain"])
     return max(PLAIN_GAP, math.ceil(loss / (PROBE_SHARE * best["cost"])))
 
@@ -547,8 +547,8 @@ class Scheduler:
             lengths = d["allocation"]
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
-            if d["explored"] and pipelined:  # the first plain round restarts the pipeline: measure a second
-                self._hold_left = max(self._hold_left, 1)
+            if d["explored"] and pipelined:  # the first two plain rounds restart the pipeline: measure a third
+                self._hold_left = max(self._hold_left, len(PIPELINE_REASONS))
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         if self.fixed is None:
@@ -589,9 +589,13 @@ class Scheduler:
         return d
 
     def _stop_seconds(self, table: dict[str, float], counts: dict[str, int], n: int) -> float:
-        """What a pipelined plain round that starts its pipeline costs over a plain one."""
-        start, plain = self.cost.catch_up_seconds(n, PIPELINE_REASONS), estimate(table, n, 0, 0, counts)
-        return max(0.0, start - plain) if start is not None and plain is not None else 0.0
+        """What the pipelined plain rounds that start a pipeline cost over plain ones (each reason's
+        median less a plain round, summed)."""
+        plain = estimate(table, n, 0, 0, counts)
+        if plain is None:
+            return 0.0
+        starts = [self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS]
+        return sum(max(0.0, s - plain) for s in starts if s is not None)
 
     @staticmethod
     def _hold_rounds(d: dict, decide_s: float) -> int:
@@ -626,6 +630,9 @@ class Scheduler:
         catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds})."""
         if self._round is None:
             return
+        if self._log:
+            self._log.write(json.dumps({"round": self.rounds, "observed": seconds, "shape": list(self._round),
+                                        "complete": complete, "reason": reason, "apart": apart or {}}) + "\n")
         for why, s in (apart or {}).items():
             self.cost.set_apart.append((self._round, s, why))
         if complete:
@@ -654,8 +661,8 @@ def replay(lines: Sequence[str]) -> list[str]:
         if not line.strip():
             continue
         rec = json.loads(line)
-        if rec.get("held"):
-            continue  # a round the previous decision governed (Scheduler._hold_rounds)
+        if rec.get("held") or "observed" in rec:
+            continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
                      rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
                      rec.get("explore_plain", False))
