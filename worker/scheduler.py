@@ -533,7 +533,9 @@ class Scheduler:
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
         caps = list(room) if room is not None else [None] * len(joint_ids)
-        if self.fixed is not None:
+        if not joint_ids:  # baseline requests only: nothing to decide, the round is timed all the same
+            lengths: list[int] = []
+        elif self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
         elif self._held and self._held[0] == joint_ids and self._hold_left > 0 \
                 and (self.rounds_without_draft < self._probe_every or any(self._held[1])):
