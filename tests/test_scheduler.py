@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -214,7 +214,7 @@ def test_plain_rounds_are_measured_again_while_drafting():
     d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
     assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
     assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
-    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 98  # (0.086 + 3 × 1.2 ms) / (2% of 0.0461)
+    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 100  # (0.086 + 5 × 1.2 ms) / (2% of 0.0461)
     assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
     assert decide([[0.9]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [1]  # a 1.5× lead
     assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]
@@ -241,10 +241,10 @@ def test_plain_rounds_are_measured_again_while_drafting():
 
 def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[float, float, float]) -> None:
     """A pipelined plain round as the engine reports it: the first after drafting starts the
-    pipeline, the second waits for a forward nothing overlapped (both set apart), then steady."""
+    pipeline, the next ones warm it up (all set apart, PIPELINE_WARM_ROUNDS in all), then steady."""
     run = len(budgets) - next((i + 1 for i in reversed(range(len(budgets))) if budgets[i]), 0)
-    if run < 2:
-        s.observe_round(costs[run], False, ("plain pipeline start", "plain pipeline second")[run])
+    if run < PIPELINE_WARM_ROUNDS:
+        s.observe_round(costs[min(run, 1)], False, PIPELINE_REASONS[min(run, 1)])
     else:
         s.observe_round(costs[2], True)
 

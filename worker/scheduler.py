@@ -135,7 +135,8 @@ STALE_GAP = 32  # rounds without a measurement of a cell after which its measure
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart costs a probe pays besides its round
 DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain rounds, the forward it discards
-PIPELINE_REASONS = ("plain pipeline start", "plain pipeline second")  # what stopping costs where plain rounds are pipelined
+PIPELINE_REASONS = ("plain pipeline start", "plain pipeline warm-up")  # what stopping costs where plain rounds are pipelined
+PIPELINE_WARM_ROUNDS = 4  # pipelined plain rounds after drafting that cost more than steady ones (the start among them)
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
 HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
@@ -484,14 +485,14 @@ def plain_probe_interval(d: dict, n_requests: int, restart: float = 0.0, discard
     Nothing else measures them then, and a figure from another spell keeps drafting that loses or
     stops drafting that pays. Exploring costs the plain rounds' expected loss against the chosen
     configuration's time per token, a pipeline's `restart` where plain rounds are pipelined (the
-    first two of them are set apart, the third measured) and the forward computed ahead that drafting
+    first PIPELINE_WARM_ROUNDS of them are set apart, the next measured) and the forward computed ahead that drafting
     again `discard`s; explorations come as often as keeps that under PROBE_SHARE of the time
     between them, and at most every PLAIN_GAP rounds."""
     cands = {c["B"]: c for c in d["candidates"]}
     best, plain = cands.get(d["budget"]), cands.get(0)
     if best is None or plain is None or not d["budget"]:
         return PLAIN_GAP
-    rounds = 1 + len(PIPELINE_REASONS) if restart else 1
+    rounds = 1 + PIPELINE_WARM_ROUNDS if restart else 1
     loss = restart + discard + rounds * max(0.0, plain["cost"] - n_requests * best["cost"] / best["gain"])
     return max(PLAIN_GAP, math.ceil(loss / (PROBE_SHARE * best["cost"])))
 
@@ -549,8 +550,8 @@ class Scheduler:
             lengths = d["allocation"]
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
-            if d["explored"] and pipelined:  # the first two plain rounds restart the pipeline: measure a third
-                self._hold_left = max(self._hold_left, len(PIPELINE_REASONS))
+            if d["explored"] and pipelined:  # the first plain rounds restart the pipeline: measure the next
+                self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         if self.fixed is None:
@@ -591,13 +592,14 @@ class Scheduler:
         return d
 
     def _stop_seconds(self, table: dict[str, float], counts: dict[str, int], n: int) -> float:
-        """What the pipelined plain rounds that start a pipeline cost over plain ones (each reason's
-        median less a plain round, summed)."""
+        """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
+        start's median and PIPELINE_WARM_ROUNDS - 1 warm-up rounds' median, less a plain round each."""
         plain = estimate(table, n, 0, 0, counts)
         if plain is None:
             return 0.0
-        starts = [self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS]
-        return sum(max(0.0, s - plain) for s in starts if s is not None)
+        start, warm = (self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS)
+        return (max(0.0, start - plain) if start is not None else 0.0) \
+            + (PIPELINE_WARM_ROUNDS - 1) * (max(0.0, warm - plain) if warm is not None else 0.0)
 
     @staticmethod
     def _hold_rounds(d: dict, decide_s: float) -> int:

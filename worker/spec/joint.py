@@ -18,6 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from worker.scheduler import PIPELINE_WARM_ROUNDS
 from worker.spec import state as st
 from worker.spec.draft import Drafter
 from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
@@ -34,9 +35,9 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
     feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a cycle after
     pipelined plain ones throws away the forward already computed ahead ("look-ahead discarded");
     an unbatched plain cycle after a drafting one (or the first) starts its pipeline ("plain
-    pipeline start": it builds two forwards and waits for the first), and the one after it waits
-    for a forward nothing overlapped ("plain pipeline second": ~42 ms for the embedded model on
-    this CPU against 30-33 once the pipeline runs). With `timed_apart`, what
+    pipeline start": it builds two forwards and waits for the first), and the next
+    PIPELINE_WARM_ROUNDS - 1 run dear too ("plain pipeline warm-up": the embedded model on this
+    CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34). With `timed_apart`, what
     the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
     than CATCH_UP_LAG tokens, a discarded look-ahead) is left out: the rest of the round is then
     a round of its shape."""
@@ -50,8 +51,8 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
         return "look-ahead discarded"
     if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
         return "plain pipeline start"
-    if not batched and any(k == 0 and d._plain_run == 1 for d, k in zip(decoders, budgets)):
-        return "plain pipeline second"
+    if not batched and any(k == 0 and d._plain_run < PIPELINE_WARM_ROUNDS for d, k in zip(decoders, budgets)):
+        return "plain pipeline warm-up"
     return ""
 
 
