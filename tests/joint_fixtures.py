@@ -90,9 +90,12 @@ def make_drafter(pair: Pair, kind: str, recovery: str, reference: list[int]) -> 
 
 
 def joint_greedy(pair: Pair, drafter: Drafter, prompt: list[int], n: int, recovery: str,
-                 on_cycle=None) -> tuple[list[int], JointDecoder]:
+                 on_cycle=None, pipelined_start: bool = True) -> tuple[list[int], JointDecoder]:
+    """Greedy joint decoding through K_SCHEDULE; the start pipelined by default, so its first,
+    drafting cycle throws the forward computed ahead away (the engine starts unpipelined where
+    drafting comes first, which the engine's tests run)."""
     jd = JointDecoder(pair.target.model, drafter, prompt, SamplingParams(), recovery=recovery)
-    out = [jd.start()]
+    out = [jd.start(pipelined_start)]
     i = 0
     while len(out) < n:
         emitted = jd.cycle(K_SCHEDULE[i % len(K_SCHEDULE)])

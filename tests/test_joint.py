@@ -302,3 +302,42 @@ def test_a_cycle_drafts_no_more_than_the_request_can_still_emit(pairs):
     while base.has_work():
         ref += [t for e in base.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     assert out == ref and len(out) == 4
+
+
+@pytest.mark.parametrize("budget, batch, lookahead", [(None, True, [True, False]), (0, True, [True, False]),
+                                                      (2, True, [False, False]), (None, False, [True, True])])
+def test_a_lone_request_likely_to_run_plain_starts_its_pipeline_at_once(pairs, budget, batch, lookahead):
+    """As mlx-lm's generate_step does, the forward after the first token is started before that
+    token is read, where plain unbatched cycles are likely next (adaptive or k = 0, and no other
+    joint request to batch with); a fixed k drafts first and starts unpipelined. Either way the
+    output is the baseline's."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    reqs = {rid: m.GenerateRequest(messages=[m.Message("user", text)], max_tokens=20, temperature=0.0,
+                                   mode="joint", ignore_eos=True)
+            for rid, text in (("a", "tell me a story"), ("b", "hello world"))}
+    eng = Engine(pair.target, EngineConfig(draft_budget=budget, batch_verify=batch), pair.drafts["perturbed"])
+    out = {rid: [] for rid in reqs}
+    seen = {}
+
+    def step():
+        for e in eng.step():
+            if isinstance(e, m.TextDelta):
+                out[e.request_id] += e.token_ids
+        for r in eng._active:
+            seen.setdefault(r.id, r.decoder.decoder.looking_ahead)  # just after its start
+
+    eng.submit("a", reqs["a"])
+    step()  # "a" starts alone
+    eng.submit("b", reqs["b"])
+    while eng.has_work():
+        step()
+    assert [seen["a"], seen["b"]] == lookahead
+    base = Engine(pair.target, EngineConfig())
+    for rid, req in reqs.items():
+        base.submit(rid, m.GenerateRequest(messages=req.messages, max_tokens=20, temperature=0.0, ignore_eos=True))
+    ref = {rid: [] for rid in reqs}
+    while base.has_work():
+        for e in base.step():
+            if isinstance(e, m.TextDelta):
+                ref[e.request_id] += e.token_ids
+    assert out == ref

@@ -105,15 +105,17 @@ class _Baseline:
 
 
 class _Joint:
-    """The joint cycle: 1 + accepted tokens per advance; commit recovers both caches."""
+    """The joint cycle: 1 + accepted tokens per advance; commit recovers both caches.
+    `pipelined_start`: plain cycles are likely first (adaptive, or a fixed k of 0)."""
 
-    def __init__(self, decoder: JointDecoder):
+    def __init__(self, decoder: JointDecoder, pipelined_start: bool = False):
         self.decoder, self.budget, self.started, self.cycled = decoder, 0, False, False
+        self.pipelined_start = pipelined_start
 
     def advance(self) -> list[int]:
         if not self.started:
             self.started = True
-            return [self.decoder.start()]
+            return [self.decoder.start(self.pipelined_start)]
         self.cycled = True
         return self.decoder.cycle(self.budget)
 
@@ -293,6 +295,14 @@ class Engine:
             self._finish(r, "cancelled", events)
             self._release(r)
 
+    def _alone_and_plain_first(self) -> bool:
+        """A new joint request's first cycles are likely plain and unbatched: the adaptive
+        scheduler (or a fixed k of 0), and no other joint request active or waiting to batch with."""
+        with self._lock:
+            others = any(w.req.mode == "joint" for w in self._waiting)
+        others = others or any(a.req.mode == "joint" for a in self._active)
+        return self.config.draft_budget in (None, 0) and not (self.config.batch_verify and others)
+
     def _admit(self, events: list) -> None:
         while len(self._active) < self.config.max_active:
             with self._lock:
@@ -317,7 +327,7 @@ class Engine:
                                     s.draft_cache, r.prompt[: s.draft_pos]))
             jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
                               self.config.prefill_step, s.cache, s.pos)
-            return _Joint(jd)
+            return _Joint(jd, pipelined_start=self._alone_and_plain_first())
         return _Baseline(generate_step(
             mx.array(r.prompt[s.pos :]), self.lm.model, max_tokens=-1,
             sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
