@@ -245,17 +245,12 @@ class CostModel:
         what is measured (a k = 1 figure kept from a fast spell against plain rounds of a slow one,
         44 ms against 36 before, had kept one request drafting where it lost; forgotten, it would be
         priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was tried
-        again after every MAX_AGE rounds). Only ever dearer, while its own rounds last: a slow spell
-        can slow pipelined plain rounds alone (the distilled draft on one request: plain rounds 37-44
-        ms, then 28-29, while k = 1 rounds read 45-53 ms throughout), and scaled down with them k = 1
-        read 34.6 ms and drafted at 0.87 of baseline."""
+        again after every MAX_AGE rounds)."""
         live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
         for key, v in live.items():
             plain = live.get((key[0], 0, 0))
             if key[1] and plain and self.ratios.get(key) and self.rounds - self.newest(key) > STALE_GAP:
-                scaled = [x * _median(plain) for x in self.ratios[key]]
-                if not v or _median(scaled) > _median(v):  # dearer only: see below
-                    live[key] = scaled
+                live[key] = [x * _median(plain) for x in self.ratios[key]]
         return {key: v for key, v in live.items() if v}
 
     def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
