@@ -615,3 +615,26 @@ def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_no
     steady = lambda i, r: int((4 * i + r) % 10 != 0)  # noqa: E731
     with_steady, without_steady = run(True, steady, 100), run(False, steady, 100)
     assert with_steady == without_steady
+
+
+def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known():
+    """Three rejections at a new server's start (α = 0.6, the controlled draft's first hard
+    tokens) made an estimate of 0.14-0.20 that priced its own probes away: no probe in 280 rounds,
+    adaptive 0.87 of k = 1. Until position 1 has FEW_OBSERVED observations over the long run,
+    probes come every PROBE_EVERY rounds at least; a hopeless draft is still left alone."""
+    s = Scheduler()
+    s.cost.cells = {(1, 0, 0): [(1, 0.033)] * 32, (1, 1, 1): [(1, 0.056)] * 3}
+    s.cost.rounds = 1
+    for _ in range(3):
+        s.observe_cycle("first", 1, 0)
+    budgets = []
+    for _ in range(3 * PROBE_EVERY):
+        k = s.plan(["r"], 1, ahead=[True], pipelined=True)[0]
+        budgets.append(k)
+        if k:
+            s.observe_cycle("r", k, 1)  # the draft is better than its first cycles showed
+    assert sum(budgets) >= 2 and budgets.index(1) <= PROBE_EVERY
+    hopeless = Scheduler()
+    hopeless.cost.cells = {(1, 0, 0): [(1, 0.0014)] * 32, (1, 1, 1): [(1, 0.0055)] * 3}
+    hopeless.cost.rounds = 1
+    assert not any(hopeless.plan(["r"], 1, ahead=[True], pipelined=True)[0] for _ in range(3 * PROBE_EVERY))
