@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -617,23 +617,28 @@ def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_no
     assert with_steady == without_steady
 
 
-def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known():
+def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):
     """Three rejections at a new server's start (α = 0.6, the controlled draft's first hard
     tokens) made an estimate of 0.14-0.20 that priced its own probes away: no probe in 280 rounds,
     adaptive 0.87 of k = 1. Until position 1 has FEW_OBSERVED observations over the long run,
-    probes come every PROBE_EVERY rounds at least; a hopeless draft is still left alone."""
-    s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(1, 0.033)] * 32, (1, 1, 1): [(1, 0.056)] * 3}
-    s.cost.rounds = 1
-    for _ in range(3):
-        s.observe_cycle("first", 1, 0)
-    budgets = []
-    for _ in range(3 * PROBE_EVERY):
-        k = s.plan(["r"], 1, ahead=[True], pipelined=True)[0]
-        budgets.append(k)
-        if k:
-            s.observe_cycle("r", k, 1)  # the draft is better than its first cycles showed
-    assert sum(budgets) >= 2 and budgets.index(1) <= PROBE_EVERY
+    probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE; a hopeless draft is still left
+    alone."""
+    def first_probe() -> int:
+        s = Scheduler()
+        s.cost.cells = {(1, 0, 0): [(1, 0.033)] * 32, (1, 1, 1): [(1, 0.056)] * 3}
+        s.cost.rounds = 1
+        s.cost.set_apart.extend([((1, 1, 1), 0.20, "draft prefill"), ((1, 0, 0), 0.09, "plain pipeline start"),
+                                 ((1, 0, 0), 0.042, "plain pipeline warm-up"), ((1, 1, 1), 0.03, "look-ahead discarded")])
+        for _ in range(3):
+            s.observe_cycle("first", 1, 0)
+        for i in range(2000):
+            if s.plan(["r"], 1, behind=[True], ahead=[True], pipelined=True)[0]:
+                return i
+        return 2000
+    uncertain = first_probe()
+    monkeypatch.setattr(scheduler, "FEW_OBSERVED", 0.0)
+    known = first_probe()
+    assert known > 200 and uncertain <= known * PROBE_SHARE / UNCERTAIN_SHARE + 1
     hopeless = Scheduler()
     hopeless.cost.cells = {(1, 0, 0): [(1, 0.0014)] * 32, (1, 1, 1): [(1, 0.0055)] * 3}
     hopeless.cost.rounds = 1

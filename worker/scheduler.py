@@ -140,7 +140,8 @@ PIPELINE_WARM_ROUNDS = 4  # pipelined plain rounds after drafting that cost more
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
 HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
-FEW_OBSERVED = 16.0  # position-1 observations over the long run under which probes come every PROBE_EVERY rounds at least
+FEW_OBSERVED = 16.0  # position-1 observations over the long run under which ...
+UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×)
 PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
@@ -574,8 +575,9 @@ class Scheduler:
                                            discard, any(behind or []), restart)
         if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
             # a guess from a few cycles (3 early rejections at α = 0.6 read 0.14-0.20), priced by that
-            # guess, kept probes away for 280 rounds: until the draft has been seen enough, probe anyway
-            self._probe_every = min(self._probe_every, PROBE_EVERY)
+            # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart
+            # after each, they cost α = 0.3 on one request 10%: until the draft is known, 5× as often
+            self._probe_every = max(PROBE_EVERY, math.ceil(self._probe_every * PROBE_SHARE / UNCERTAIN_SHARE))
         probe = self.rounds_without_draft >= self._probe_every
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
