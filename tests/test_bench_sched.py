@@ -17,10 +17,11 @@ def test_bench_sched_quick(tmp_path):
         assert row["baseline"] > 0 and row["adaptive"] > 0 and row["best_fixed"].startswith("k=")
         assert all(c["mismatching_requests"] == 0 for c in row["configs"].values()), row["configs"]
     assert "batched_vs_unbatched" in rows[1]
+    assert [row["repeats"] for row in rows] == [4, 1]  # short ×1 runs repeat 4× as often: as many tokens as ×4
     assert figures["ratio"] == min(row["adaptive_vs_baseline"] for row in rows)
     for row in rows:  # ratios are medians of per-repeat ratios, from the same runs as the medians
         runs = {name: c["runs_tps"] for name, c in row["configs"].items()}
-        assert len(runs["adaptive"]) == len(runs["baseline"]) >= 1
+        assert len(runs["adaptive"]) == len(runs["baseline"]) == row["repeats"]
         assert row["adaptive_vs_baseline"] == statistics.median(a / b for a, b in zip(runs["adaptive"], runs["baseline"]))
         assert row["ratio_of_medians_vs_baseline"] == row["adaptive"] / row["baseline"]
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())  # every adaptive engine's decisions, replayable
