@@ -20,7 +20,7 @@ from worker.engine import Engine, EngineConfig
 from worker.loader import PairingError, check_tokenizers_agree
 from worker.spec import state as st
 from worker.scheduler import PIPELINE_WARM_ROUNDS
-from worker.spec.joint import CATCH_UP_LAG
+from worker.spec.joint import CATCH_UP_LAG, JointDecoder
 from worker.spec.sampling import SamplingParams, accept_sampled, make_key_fn
 
 N_PROMPTS, N_TOKENS = (20, 128) if FULL else (6, 48)
@@ -258,8 +258,9 @@ def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
 
 def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
     """A draft that sat out more than CATCH_UP_LAG cycles feeds them at its next drafting cycle,
-    on their own: that catch-up is timed apart as "draft catch-up", and so is the forward the
-    pipelined plain cycles computed ahead and the drafting cycle throws away; the rest of that
+    on their own: that catch-up is timed apart as "draft catch-up", and so is the wait for the
+    forward the pipelined plain cycles computed ahead, whose token the drafting cycle takes as its
+    first ("look-ahead taken"); the rest of that
     round is a drafting round like any other, a cost sample. The first plain round after drafting
     (it starts the plain pipeline) is recorded apart whole, and so are the next ones until the
     pipeline runs steady (PIPELINE_WARM_ROUNDS in all)."""
@@ -274,13 +275,35 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
         out += [t for e in eng.step() if isinstance(e, m.TextDelta) for t in e.token_ids]
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("draft prefill") == 1 and reasons.count("draft catch-up") == 1
-    assert reasons.count("look-ahead discarded") == 1
+    assert reasons.count("look-ahead taken") == 1 and "look-ahead discarded" not in reasons
     rounds = [r for r, _ in eng.scheduler.cost.cells[(1, 1, 1)]]
     assert 3 + CATCH_UP_LAG + 2 + 1 in rounds  # the round that caught up, less the catch-up
     assert reasons.count("plain pipeline start") == 2  # the sat-out rounds' first, and the last cycle's:
     assert reasons.count("plain pipeline warm-up") == PIPELINE_WARM_ROUNDS - 1  # with one token left it has no room to draft
     counts = eng.scheduler.cost.counts()
     assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 2 - PIPELINE_WARM_ROUNDS and len(out) == 24
+
+
+@pytest.mark.parametrize("recovery", ["fast", "replay"])
+def test_a_stop_on_the_taken_look_ahead_keeps_neither_drafts_nor_verify(pairs, recovery):
+    """A drafting cycle after pipelined plain ones starts with the token computed ahead; kept
+    alone (a stop on it), both caches go back to just before the drafts, and decoding goes on
+    exactly: every token is the baseline's, through plain and drafting cycles after."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    prompt = prompt_ids(pair.target, "tell me a story")
+    ref = baseline_greedy(pair.target, prompt, 40)
+    jd = JointDecoder(pair.target.model, make_drafter(pair, "perturbed", recovery, ref), prompt, SamplingParams(),
+                      recovery=recovery)
+    out, stops = [jd.start(pipelined=True)], 0
+    while len(out) < 34:
+        for k in (0, 0, 3, 2):  # the drafting cycle after plain ones is cut after its first token
+            emitted = jd.cycle(k)
+            keep = 1 if k == 3 else len(emitted)
+            stops += k == 3 and len(emitted) > 1
+            jd.commit(keep)
+            out += emitted[:keep]
+            assert len(jd.drafter.consumed) < len(jd.tokens) and jd.drafter.consumed == jd.tokens[:len(jd.drafter.consumed)]
+    assert out == ref[:len(out)] and stops >= 4
 
 
 def test_a_cycle_drafts_no_more_than_the_request_can_still_emit(pairs):

@@ -224,7 +224,7 @@ class Engine:
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         decoders = [r.decoder.decoder for r in joint]
         behind = [d.draft_behind for d in decoders]
-        room = [self._draft_room(r) for r in joint]
+        room = [max(0, self._draft_room(r) - d.looking_ahead) for r, d in zip(joint, decoders)]  # a taken look-ahead emits one more
         batching = self.config.batch_verify and len(joint) > 1
         plan = self.scheduler.plan([r.id for r in joint], len(self._active), behind, room,
                                    [d.looking_ahead for d in decoders], pipelined=not batching)

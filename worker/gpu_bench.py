@@ -274,7 +274,7 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     t0 = time.perf_counter()
     while len(out) < n:
         # as the engine's rounds (worker/engine.py): switching costs paid on their own are timed apart
-        budget = sched.plan(["r"], 1, [jd.draft_behind], [n - len(out) - 1], [jd.looking_ahead], pipelined=True)[0]
+        budget = sched.plan(["r"], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead], pipelined=True)[0]
         untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
         jd.take_apart()
         t = time.perf_counter()

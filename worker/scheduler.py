@@ -134,8 +134,9 @@ STALE_GAP = 32  # rounds without a measurement of a cell after which its measure
                 # when a cheaper one comes (a cell left early in a batch, probed again much later)
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: logged apart
 CATCH_UP_REASONS = ("draft prefill", "draft catch-up")  # set-apart costs a probe pays besides its round
-DISCARD_REASONS = ("look-ahead discarded",)  # ... and, after pipelined plain rounds, the forward it discards
+DISCARD_REASONS = ("look-ahead discarded",)  # ... and, batched after pipelined plain rounds, the forward it discards
 PIPELINE_REASONS = ("plain pipeline start", "plain pipeline warm-up")  # what stopping costs where plain rounds are pipelined
+TAKEN_REASONS = ("look-ahead taken",)  # ... where a drafting cycle takes that forward's token instead: the wait for it
 PIPELINE_WARM_ROUNDS = 4  # pipelined plain rounds after drafting that cost more than steady ones (the start among them)
 MIN_SAMPLES = 3  # rounds a cell needs before its median is trusted over its neighbours
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often (acceptance drifts)
@@ -450,12 +451,11 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     (unless one is `behind` already: a new request's draft lacks its prompt); else the probe's
     draft first catches up on the rounds it sat out, and `catch_up`, the median such catch-up,
     adds to its cost: a useless draft, or a launch-bound one on a GPU, is probed rarely.
-    Unbatched plain rounds compute the next forward ahead, and a probe throws it away:
-    `discard`, the median such forward, adds to its cost too (one request on this CPU: about a
-    plain round, where probes every few rounds cost a quarter of the speed), and so does
-    `restart`, what the plain round after it pays to start the pipeline again (one request on this
-    CPU: 45 ms over a 31 ms plain round; left out, a useless draft was probed once a request and
-    adaptive ran at 0.91 of baseline). Where no depth within reach would beat plain rounds even
+    Unbatched plain rounds compute the next forward ahead; a batched probe throws it away:
+    `discard`, the median such forward, adds to its cost too (an unbatched one takes its token),
+    and so does `restart`, what the plain rounds after it pay to start the pipeline again
+    (Scheduler._stop_seconds; left out, a useless draft was probed once a request and adaptive
+    ran at 0.91 of baseline). Where no depth within reach would beat plain rounds even
     with every draft accepted, acceptance cannot change the decision, and probes come every
     HOPELESS_EVERY rounds (a tiny pair whose draft costs as much as its target lost 4% to probes
     and their catch-ups on requests of 1,536 tokens; a launch-bound draft on a GPU)."""
@@ -600,12 +600,15 @@ class Scheduler:
 
     def _stop_seconds(self, table: dict[str, float], counts: dict[str, int], n: int) -> float:
         """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
-        start's median and PIPELINE_WARM_ROUNDS - 1 warm-up rounds' median, less a plain round each."""
+        start's median and PIPELINE_WARM_ROUNDS - 1 warm-up rounds' median, less a plain round each.
+        The start computes the next round's forward too; where drafting again takes that forward's
+        token (JointDecoder.take_ahead), it gives back a plain round less the wait for it."""
         plain = estimate(table, n, 0, 0, counts)
         if plain is None:
             return 0.0
-        start, warm = (self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS)
-        return (max(0.0, start - plain) if start is not None else 0.0) \
+        start, warm, taken = (self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS + TAKEN_REASONS)
+        back = plain - taken if taken is not None else 0.0
+        return (max(0.0, start - plain - back) if start is not None else 0.0) \
             + (PIPELINE_WARM_ROUNDS - 1) * (max(0.0, warm - plain) if warm is not None else 0.0)
 
     @staticmethod

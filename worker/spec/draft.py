@@ -81,6 +81,19 @@ class Drafter:
         q = token_probs(logits, params)
         return mx.random.categorical(mx.log(q), key=key_fn())[None], q
 
+    def snapshot(self) -> tuple[int, st.Checkpoint]:
+        """What the draft holds now, for `rewind`."""
+        return len(self.consumed), st.checkpoint(self.cache)
+
+    def rewind(self, snap: tuple[int, st.Checkpoint]) -> None:
+        """Back to a `snapshot` taken before this cycle's proposal (the draft may lag: it feeds
+        what it lacks at its next proposal)."""
+        n, ck = snap
+        st.restore(self.cache, ck)
+        self.consumed = self.consumed[:n]
+        self._agreed = min(self._agreed, n)
+        self._steps, self._base = [], None
+
     def recover(self, target_consumed: list[int]) -> None:
         """Keeps the longest prefix of what the draft consumed that the target consumed too."""
         keep = _common_prefix(self.consumed, target_consumed, self._agreed)

@@ -6,8 +6,9 @@ draft cache holds a prefix of that (it may lag by the tokens it never consumed).
 
 Cycles of k = 0 (the scheduler drafts nothing) are pipelined as mlx-lm's generate_step is: each
 one also starts the target's forward of the token it returns, so the next one is already being
-computed while the host handles this one. Until `settle()` undoes it (before a drafting cycle, a
-batched round, or a snapshot), the target cache then holds y too.
+computed while the host handles this one. The target cache then holds y too, until a drafting
+cycle takes the token computed ahead as its first (`take_ahead`) or `settle()` undoes it (before
+a batched round or a snapshot).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
     """Why a round of these decoders (drafting budgets[i] each) is not timed as a round of its
     shape, or "": a switching cost, paid once, that in the cost table would price every round
     of the shape as if it paid it, and keep the scheduler from choosing it again. A draft first
-    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a cycle after
-    pipelined plain ones throws away the forward already computed ahead ("look-ahead discarded");
-    an unbatched plain cycle after a drafting one (or the first) starts its pipeline ("plain
-    pipeline start": it builds two forwards and waits for the first), and the next
+    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a batched
+    round after pipelined plain cycles throws away the forward already computed ahead ("look-ahead
+    discarded": an unbatched drafting cycle takes its token instead); an unbatched plain cycle
+    after a drafting one (or the first) starts its pipeline ("plain pipeline start": it computes
+    two forwards, the second for the next cycle; on this CPU MLX's async_eval waits for the
+    work it queues), and the next
     PIPELINE_WARM_ROUNDS - 1 run dear too ("plain pipeline warm-up": the embedded model on this
     CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34). With `timed_apart`, what
     the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
@@ -47,7 +50,7 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
         return "draft prefill"
     if any(d.draft_lag > CATCH_UP_LAG for d in fed_in_round):
         return "draft catch-up"
-    if not timed_apart and any(d._ahead is not None and (k or batched) for d, k in zip(decoders, budgets)):
+    if not timed_apart and batched and any(d._ahead is not None for d in decoders):
         return "look-ahead discarded"
     if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
         return "plain pipeline start"
@@ -95,6 +98,7 @@ class JointDecoder:
         self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
         self._plain_run = 0  # plain cycles since the pipeline (re)started
         self._apart: dict[str, float] = {}  # switching costs paid on their own: seconds by reason
+        self._taken: Optional[tuple] = None  # this cycle began with the look-ahead's token: states before it
 
     # ---- start ----
 
@@ -126,21 +130,39 @@ class JointDecoder:
         worker/spec/batch.py drives the same phases for several requests at once."""
         if k == 0:
             return self._plain()
-        self.settle()
+        taken = self.take_ahead()
         self.catch_up_draft()
+        if taken:  # a stop on the taken token keeps neither the drafts nor the verify
+            self._taken = (st.checkpoint(self.cache), self.drafter.snapshot())
         t0 = time.perf_counter()
         drafted, qs = self.drafter.propose(self.tokens, k, self.position, self.params, self.key_fn)
         t1 = time.perf_counter()
         ck = self.prepare_verify(k)
         logits = self.target(mx.array([self.tokens[-1]] + drafted)[None], cache=self.cache)[0]
-        return self.accept(drafted, qs, logits, ck, t1 - t0, t1)
+        return taken + self.accept(drafted, qs, logits, ck, t1 - t0, t1)
+
+    def take_ahead(self) -> list[int]:
+        """Before a drafting cycle after pipelined plain ones: the token computed ahead is the
+        target's own next token, so it becomes this cycle's first, and the cache, which holds the
+        token before it, holds every token but the last as after a commit. Thrown away instead,
+        its forward was paid for nothing: on this CPU a probe then cost ~1 plain round more. The
+        wait for it is timed apart ("look-ahead taken"): it is part of a plain round's work."""
+        if self._ahead is None:
+            return []
+        t0 = time.perf_counter()
+        tok = self._ahead[0].item()
+        self._ahead = None
+        self.tokens.append(tok)
+        self._pay_apart("look-ahead taken", time.perf_counter() - t0)
+        return [tok]
 
     def _plain(self) -> list[int]:
         """A cycle without drafts, pipelined: returns the token in flight and starts the next."""
         t0 = time.perf_counter()
         st.set_record(self.cache, False)
-        if self._ahead is None:
+        if self._ahead is None:  # (re)start: this token's forward runs on its own, the next one queued after it
             token = self._next_token(self.tokens[-1])
+            mx.async_eval(token)
             self._plain_run = 0
         else:
             token = self._ahead[0]
@@ -165,6 +187,12 @@ class JointDecoder:
         if self.params.greedy:
             return mx.argmax(logits)
         return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn())
+
+    def _stop_recording(self) -> None:
+        st.set_record(self.cache, False)
+        for c in self.cache:
+            if isinstance(c, st.RecordingArraysCache):
+                c.clear_record()
 
     def settle(self) -> None:
         """Undoes a pending look-ahead: the cache holds every token but the last one again. The
@@ -256,8 +284,16 @@ class JointDecoder:
         """Keeps the first m emitted tokens and recovers both caches to exactly that prefix."""
         drafted, emitted, ck = self._pending
         self._pending = None
-        if not 1 <= m <= len(emitted):
-            raise ValueError(f"commit({m}) of {len(emitted)} emitted tokens")
+        taken, self._taken = self._taken, None
+        first = int(taken is not None)  # the cycle's first token was the look-ahead's, already in self.tokens
+        if not 1 <= m <= first + len(emitted):
+            raise ValueError(f"commit({m}) of {first + len(emitted)} emitted tokens")
+        m -= first
+        if m == 0:  # the look-ahead's token kept alone: both caches as before the drafts
+            st.restore(self.cache, taken[0])
+            self._stop_recording()
+            self.drafter.rewind(taken[1])
+            return
         t0 = time.perf_counter()
         verified = len(drafted) + 1  # the target consumed [y, d1..dk]; it keeps [y, e1..e_{m-1}]
         if m < verified:
@@ -267,10 +303,7 @@ class JointDecoder:
             else:
                 st.restore(self.cache, ck)
                 self.target(mx.array(([self.tokens[-1]] + drafted)[:m])[None], cache=self.cache)
-        st.set_record(self.cache, False)
-        for c in self.cache:
-            if isinstance(c, st.RecordingArraysCache):
-                c.clear_record()
+        self._stop_recording()
         self.tokens += emitted[:m]
         self.drafter.recover(self.tokens[:-1])
         if m < verified:  # evaluate the recovered state here, so recovery time is what it costs
