@@ -99,7 +99,7 @@ def joint_greedy(pair: Pair, drafter: Drafter, prompt: list[int], n: int, recove
     i = 0
     while len(out) < n:
         room = max(0, n - len(out) - 1 - jd.looking_ahead)  # as the engine caps drafts (a taken look-ahead emits one more)
-        emitted = jd.cycle(min(K_SCHEDULE[i % len(K_SCHEDULE)], room))
+        emitted = jd.cycle(min(K_SCHEDULE[i % len(K_SCHEDULE)], room), n - len(out) <= 1)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
         out += emitted[:keep]

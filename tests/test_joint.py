@@ -306,6 +306,25 @@ def test_a_stop_on_the_taken_look_ahead_keeps_neither_drafts_nor_verify(pairs, r
     assert out == ref[:len(out)] and stops >= 4
 
 
+def test_the_last_plain_cycle_computes_nothing_ahead(pairs):
+    """A request's last token needs no forward after it (mlx-lm's generate_step computes one,
+    never emitted): the cache then holds every token but the last, as after any commit, and a
+    cycle after all the same restarts the pipeline exactly."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    prompt = prompt_ids(pair.target, "hello world")
+    ref = baseline_greedy(pair.target, prompt, 8)
+    jd = JointDecoder(pair.target.model, make_drafter(pair, "perturbed", "fast", ref), prompt, SamplingParams())
+    out = [jd.start(pipelined=True)]
+    for last in (False, False, True, False, True):
+        emitted = jd.cycle(0, last)
+        jd.commit(1)
+        out += emitted
+        assert jd.looking_ahead == (not last)
+        offsets = {c.offset for c in jd.cache if isinstance(c, st.KVCache)}
+        assert offsets == {len(jd.tokens) - last}  # the look-ahead feeds the last token
+    assert out == ref[:6]
+
+
 def test_a_cycle_drafts_no_more_than_the_request_can_still_emit(pairs):
     """With 3 tokens left a cycle can use at most 2 drafts (it adds one token of its own): the
     engine caps fixed k there, and the output is still the baseline's."""

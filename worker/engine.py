@@ -111,13 +111,14 @@ class _Joint:
     def __init__(self, decoder: JointDecoder, pipelined_start: bool = False):
         self.decoder, self.budget, self.started, self.cycled = decoder, 0, False, False
         self.pipelined_start = pipelined_start
+        self.last = False  # the next cycle emits the request's last token
 
     def advance(self) -> list[int]:
         if not self.started:
             self.started = True
             return [self.decoder.start(self.pipelined_start)]
         self.cycled = True
-        return self.decoder.cycle(self.budget)
+        return self.decoder.cycle(self.budget, self.last)
 
     def commit(self, m: int) -> None:
         if self.cycled:
@@ -224,12 +225,12 @@ class Engine:
         joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
         decoders = [r.decoder.decoder for r in joint]
         behind = [d.draft_behind for d in decoders]
-        room = [max(0, self._draft_room(r) - d.looking_ahead) for r, d in zip(joint, decoders)]  # a taken look-ahead emits one more
+        room = [max(0, self._tokens_left(r) - 1 - d.looking_ahead) for r, d in zip(joint, decoders)]  # a cycle emits its accepted drafts and one more (and a taken look-ahead)
         batching = self.config.batch_verify and len(joint) > 1
         plan = self.scheduler.plan([r.id for r in joint], len(self._active), behind, room,
                                    [d.looking_ahead for d in decoders], pipelined=not batching)
         for r, k in zip(joint, plan):
-            r.decoder.budget = k
+            r.decoder.budget, r.decoder.last = k, self._tokens_left(r) <= 1
         # a prefill is no decode round; nor is one that pays a switching cost, unless the cost
         # is paid on its own and timed apart (a draft's catch-up, a discarded look-ahead)
         reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
@@ -265,10 +266,8 @@ class Engine:
         self.scheduler.observe_round(time.perf_counter() - t0 - sum(apart.values()), complete,
                                      reason or ("" if complete else "prefill or error"), apart)
 
-    def _draft_room(self, r: _Request) -> int:
-        """Draft tokens a cycle of r can still use: a cycle emits its accepted drafts and one more."""
-        left = min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
-        return max(0, left - 1)
+    def _tokens_left(self, r: _Request) -> int:
+        return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
 
     def _batched_cycles(self, joint: list, events: list) -> dict[str, list[int]]:
         """One cycle for every started joint request in batched forwards; {id: emitted tokens}."""

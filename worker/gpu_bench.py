@@ -278,7 +278,7 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
         untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
         jd.take_apart()
         t = time.perf_counter()
-        emitted = jd.cycle(budget)
+        emitted = jd.cycle(budget, n - len(out) <= 1)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
         sched.observe_cycle("r", *jd.last_cycle)

@@ -123,13 +123,14 @@ class JointDecoder:
 
     # ---- one cycle ----
 
-    def cycle(self, k: int) -> list[int]:
+    def cycle(self, k: int, last: bool = False) -> list[int]:
         """Drafts k, verifies, returns the tokens to emit (the accepted drafts and the target's own).
 
         The caller must then `commit(m)` with how many of them it kept (fewer after a stop).
-        worker/spec/batch.py drives the same phases for several requests at once."""
+        `last`: no token can follow this cycle's (the request's last), so a plain cycle computes
+        nothing ahead. worker/spec/batch.py drives the same phases for several requests at once."""
         if k == 0:
-            return self._plain()
+            return self._plain(last)
         taken = self.take_ahead()
         self.catch_up_draft()
         if taken:  # a stop on the taken token keeps neither the drafts nor the verify
@@ -156,8 +157,9 @@ class JointDecoder:
         self._pay_apart("look-ahead taken", time.perf_counter() - t0)
         return [tok]
 
-    def _plain(self) -> list[int]:
-        """A cycle without drafts, pipelined: returns the token in flight and starts the next."""
+    def _plain(self, last: bool = False) -> list[int]:
+        """A cycle without drafts, pipelined: returns the token in flight and starts the next,
+        unless it is the `last` (mlx-lm's generate_step computes one more, never emitted)."""
         t0 = time.perf_counter()
         st.set_record(self.cache, False)
         if self._ahead is None:  # (re)start: this token's forward runs on its own, the next one queued after it
@@ -167,9 +169,11 @@ class JointDecoder:
         else:
             token = self._ahead[0]
         self._plain_run += 1
-        ahead_ck = st.checkpoint(self.cache)  # the cache now holds y: this one does not hold the token
-        self._ahead = (self._next_token(token), ahead_ck)
-        mx.async_eval(self._ahead[0])
+        self._ahead = None
+        if not last:
+            ahead_ck = st.checkpoint(self.cache)  # the cache now holds y: this one does not hold the token
+            self._ahead = (self._next_token(token), ahead_ck)
+            mx.async_eval(self._ahead[0])
         tok = token.item()
         self._pending = ([], [tok], None)
         self.stats.cycles += 1
