@@ -552,12 +552,14 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     slow = sched(10.0, str(tmp_path / "slow.jsonl"))
     for _ in range(5):
         slow.plan(["a"], 1)
+    slow.flush_log()  # records are held back and written together (the engine flushes when idle)
     assert len([x for x in (tmp_path / "slow.jsonl").read_text().splitlines() if "held" not in x]) == 5
     log = tmp_path / "fast.jsonl"
     fast = sched(1e-6, str(log))
     for _ in range(MAX_HOLD + 2):
         assert fast.plan(["a"], 1) == [0]
     fast.plan(["a", "b"], 2)  # a request joined: decide now
+    fast.flush_log()
     recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r.get("held", False) for r in recs] == [False] + [True] * MAX_HOLD + [False, False]
     assert all(r["allocation"] == [0] for r in recs[:-1]) and recs[-1]["requests"] == ["a", "b"]
@@ -588,7 +590,9 @@ def test_an_unlucky_spell_does_not_stop_drafting_for_good(tmp_path):
         s.observe_cycle("r", 1, 0)
     assert s.plan(["r"], 1) == [0]
     def drafts_by_decision() -> bool:  # probes (here every few rounds: near break-even they cost little) aside
-        return s.plan(["r"], 1) == [1] and not json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["probe"]
+        drafts = s.plan(["r"], 1) == [1]
+        s.flush_log()
+        return drafts and not json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["probe"]
     resumed = next(i for i in range(400) if drafts_by_decision())
     assert resumed < 60
     assert s.acceptance["r"].rates(s.shared_rates())[0] > 0.25

@@ -217,6 +217,8 @@ class Engine:
         with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
             self._admit(events)
             self._round(events)
+        if not self._active:  # idle: the decision log's held-back records go out now
+            self.scheduler.flush_log()
         return events
 
     def _round(self, events: list) -> None:

@@ -288,5 +288,6 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     wall = time.perf_counter() - t0
     s = jd.stats
     sched.forget("r")
+    sched.flush_log()  # after the timed run, as the engine does when idle
     return JointRun((len(out) - 1) / wall, s.accepted / s.drafted if s.drafted else 0.0,
                     s.drafted / s.cycles if s.cycles else 0.0, s.draft_s, s.verify_s, s.recovery_s, out)

@@ -72,6 +72,7 @@ class WorkerProc:
         try:
             self._engine_loop()
         finally:
+            self.engine.scheduler.flush_log()
             self.stopping.set()
             for t in threads:
                 t.join(timeout=2)
