@@ -346,18 +346,20 @@ def test_a_cycle_drafts_no_more_than_the_request_can_still_emit(pairs):
     assert out == ref and len(out) == 4
 
 
-@pytest.mark.parametrize("budget, batch, lookahead", [(None, True, [True, False]), (0, True, [True, False]),
-                                                      (2, True, [False, False]), (None, False, [True, True])])
-def test_a_lone_request_likely_to_run_plain_starts_its_pipeline_at_once(pairs, budget, batch, lookahead):
+@pytest.mark.parametrize("budget, batch, drafting, lookahead", [
+    (None, True, False, [True, False]), (0, True, False, [True, False]), (2, True, False, [False, False]),
+    (None, False, False, [True, True]), (None, False, True, [False, False])])
+def test_a_lone_request_likely_to_run_plain_starts_its_pipeline_at_once(pairs, budget, batch, drafting, lookahead):
     """As mlx-lm's generate_step does, the forward after the first token is started before that
-    token is read, where plain unbatched cycles are likely next (adaptive or k = 0, and no other
-    joint request to batch with); a fixed k drafts first and starts unpipelined. Either way the
-    output is the baseline's."""
+    token is read, where plain unbatched cycles are likely next (k = 0, or adaptive while its last
+    decision drafted nothing, and no other joint request to batch with); a fixed k, or adaptive
+    while drafting, drafts first and starts unpipelined. Either way the output is the baseline's."""
     pair = pairs["qwen3_5+qwen3_5"]
     reqs = {rid: m.GenerateRequest(messages=[m.Message("user", text)], max_tokens=20, temperature=0.0,
                                    mode="joint", ignore_eos=True)
             for rid, text in (("a", "tell me a story"), ("b", "hello world"))}
     eng = Engine(pair.target, EngineConfig(draft_budget=budget, batch_verify=batch), pair.drafts["perturbed"])
+    eng.scheduler._drafting = drafting  # what its last decision chose (test_scheduler.py tests that)
     out = {rid: [] for rid in reqs}
     seen = {}
 

@@ -647,3 +647,19 @@ def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):
     hopeless.cost.cells = {(1, 0, 0): [(1, 0.0014)] * 32, (1, 1, 1): [(1, 0.0055)] * 3}
     hopeless.cost.rounds = 1
     assert not any(hopeless.plan(["r"], 1, ahead=[True], pipelined=True)[0] for _ in range(3 * PROBE_EVERY))
+
+
+def test_drafting_tells_what_the_last_decision_with_room_chose():
+    """The engine starts a lone request's plain pipeline at once only where the scheduler is not
+    drafting; a request's last round, with no room to draft, and a probe leave that as it was."""
+    s = Scheduler()
+    s.cost.cells = {(1, 0, 0): [(1, 0.030)] * 9, (1, 1, 1): [(1, 0.036)] * 9}
+    assert not s.drafting  # nothing decided yet
+    for _ in range(40):
+        s.observe_cycle("a", 1, 1)  # every draft accepted: drafting pays
+    assert s.plan(["a"], 1, room=[8])[0] > 0 and s.drafting
+    assert s.plan(["a"], 1, room=[0]) == [0] and s.drafting  # the request's last token
+    for _ in range(60):
+        s.observe_cycle("b", 1, 0)  # every draft rejected: plain pays
+    s.forget("a")
+    assert s.plan(["b"], 1, room=[8]) == [0] and not s.drafting

@@ -526,6 +526,7 @@ class Scheduler:
         self._hold_left = 0  # rounds it still governs
         self._probe_every = PROBE_EVERY
         self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
+        self._drafting = False  # see `drafting`
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -551,6 +552,8 @@ class Scheduler:
         else:
             d = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined)
             lengths = d["allocation"]
+            if any(c is None or c > 0 for c in caps):  # a request's last round has no room to draft
+                self._drafting = bool(d["budget"]) and not d["probe"]
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
             if d["explored"] and pipelined:  # the first plain rounds restart the pipeline: measure the next
@@ -639,6 +642,11 @@ class Scheduler:
             self._acceptance(request_id).observe(k, n)
             self.overall.observe(k, n)
             self.longrun.observe(k, n)
+
+    @property
+    def drafting(self) -> bool:
+        """The last decision with room to draft chose to (a probe aside; none made yet: False)."""
+        return self._drafting
 
     def _record(self, rec: dict) -> None:
         self._unwritten.append(rec)
