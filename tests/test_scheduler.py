@@ -621,6 +621,25 @@ def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_no
     assert with_steady == without_steady
 
 
+def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request():
+    """After α = 0.9 text (drafts of 8, nearly all accepted) position 1 starts failing, and the
+    deeper positions, now seldom tried, would keep the old text's rates (the engine drafted 6-8
+    deep into α = 0.2 text). The server-wide estimate forgets them with position 1, so the next
+    few cycles that reach them decide their rates; a request's own estimate keeps them (its own
+    false alarms made α = 0.9 ×4 allocations uneven)."""
+    s = Scheduler()
+    for i in range(20):
+        s.observe_cycle("r", 8, 8 if i % 10 else 2)
+    deep_before = list(s.overall.tried[1:])
+    for _ in range(3):
+        s.observe_cycle("r", 8, 0)
+    assert s.overall.tried[0] < 4 and max(s.overall.tried[1:]) < 2 < min(deep_before)
+    assert min(s.acceptance["r"].tried[1:]) > 0.8 * min(deep_before)
+    shared_deep = s.shared_rates()[1]
+    s.observe_cycle("r", 8, 1)  # the next cycle reaching position 2 fails there
+    assert s.shared_rates()[1] < shared_deep - 0.25
+
+
 def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):
     """Three rejections at a new server's start (α = 0.6, the controlled draft's first hard
     tokens) made an estimate of 0.14-0.20 that priced its own probes away: no probe in 280 rounds,

@@ -75,13 +75,14 @@ class Acceptance:
     1 fell from 0.26 to 0.20 in simulation, and at a steady α = 0.9 rose from 0.034 to 0.036).
     """
 
-    def __init__(self, max_positions: int, decay: float = DECAY, detect_change: bool = True):
+    def __init__(self, max_positions: int, decay: float = DECAY, detect_change: bool = True,
+                 forget_deeper: bool = False):
         self.accepted = [0.0] * max_positions
         self.tried = [0.0] * max_positions
         self.recent_accepted = [0.0] * max_positions
         self.recent_tried = [0.0] * max_positions
         self.decay = decay
-        self.detect_change = detect_change
+        self.detect_change, self.forget_deeper = detect_change, forget_deeper
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
@@ -96,6 +97,9 @@ class Acceptance:
             self._forget_before_a_change()
 
     def _forget_before_a_change(self) -> None:
+        """A change at position j forgets the older observations there; with `forget_deeper`, at
+        every deeper position too: once position j fails, the deeper ones are seldom tried and would
+        keep the old text's rates (after α = 0.9 the engine drafted 6-8 deep into α = 0.2 text)."""
         for j, (ra, rt) in enumerate(zip(self.recent_accepted, self.recent_tried)):
             if rt < MIN_RECENT or self.tried[j] <= rt:
                 continue
@@ -103,7 +107,11 @@ class Acceptance:
             p_new = min(0.97, max(0.03, ra / rt))
             nats = ra * math.log(p_new / p_old) + (rt - ra) * math.log((1 - p_new) / (1 - p_old))
             if nats > CHANGE_NATS:
-                self.accepted[j], self.tried[j] = ra, rt
+                end = len(self.tried) if self.forget_deeper else j + 1
+                self.accepted[j:end] = self.recent_accepted[j:end]
+                self.tried[j:end] = self.recent_tried[j:end]
+                if self.forget_deeper:
+                    return
 
     def fade(self) -> None:
         """A round without drafts: what was seen weighs less, nothing new is added."""
@@ -515,7 +523,10 @@ class Scheduler:
         self.fixed, self.b_max = fixed, b_max
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
-        self.overall = Acceptance(POSITIONS)  # every request's cycles: each request's prior
+        # every request's cycles: each request's prior. Only here does a change forget the deeper
+        # positions too: each request's own false alarms (two rejections at α = 0.9) then reset its
+        # deeper positions, and α = 0.9 ×4 drafted unevenly ((3, 4, 3, 4)), 0.91 of k = 4
+        self.overall = Acceptance(POSITIONS, forget_deeper=True)
         self.longrun = Acceptance(POSITIONS, LONG_DECAY, detect_change=False)  # the same over the long run: overall's prior
         self.rounds = 0
         self.rounds_without_draft = 0
