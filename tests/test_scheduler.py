@@ -626,7 +626,7 @@ def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request(
     deeper positions, now seldom tried, would keep the old text's rates (the engine drafted 6-8
     deep into α = 0.2 text). The server-wide estimate forgets them with position 1, so the next
     few cycles that reach them decide their rates; a request's own estimate keeps them (its own
-    false alarms made α = 0.9 ×4 allocations uneven)."""
+    false alarms made α = 0.9 ×4 allocations uneven), and so does a rise."""
     s = Scheduler()
     for i in range(20):
         s.observe_cycle("r", 8, 8 if i % 10 else 2)
@@ -638,6 +638,12 @@ def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request(
     shared_deep = s.shared_rates()[1]
     s.observe_cycle("r", 8, 1)  # the next cycle reaching position 2 fails there
     assert s.shared_rates()[1] < shared_deep - 0.25
+    rising = Scheduler()  # after a rise, deeper positions are tried often again: nothing to forget
+    for i in range(20):
+        rising.observe_cycle("r", 8, 0 if i % 10 else 8)
+    for _ in range(5):
+        rising.observe_cycle("r", 8, 8)
+    assert rising.overall.tried[0] < 4 and rising.overall.tried[4] > 4
 
 
 def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):

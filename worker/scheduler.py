@@ -97,9 +97,10 @@ class Acceptance:
             self._forget_before_a_change()
 
     def _forget_before_a_change(self) -> None:
-        """A change at position j forgets the older observations there; with `forget_deeper`, at
-        every deeper position too: once position j fails, the deeper ones are seldom tried and would
-        keep the old text's rates (after α = 0.9 the engine drafted 6-8 deep into α = 0.2 text)."""
+        """A change at position j forgets the older observations there; with `forget_deeper`, a fall
+        forgets them at every deeper position too: once position j fails, the deeper ones are seldom
+        tried and would keep the old text's rates (after α = 0.9 the engine drafted 6-8 deep into
+        α = 0.2 text). After a rise they are tried often again and follow on their own."""
         for j, (ra, rt) in enumerate(zip(self.recent_accepted, self.recent_tried)):
             if rt < MIN_RECENT or self.tried[j] <= rt:
                 continue
@@ -107,10 +108,11 @@ class Acceptance:
             p_new = min(0.97, max(0.03, ra / rt))
             nats = ra * math.log(p_new / p_old) + (rt - ra) * math.log((1 - p_new) / (1 - p_old))
             if nats > CHANGE_NATS:
-                end = len(self.tried) if self.forget_deeper else j + 1
+                deeper = self.forget_deeper and p_new < p_old
+                end = len(self.tried) if deeper else j + 1
                 self.accepted[j:end] = self.recent_accepted[j:end]
                 self.tried[j:end] = self.recent_tried[j:end]
-                if self.forget_deeper:
+                if deeper:
                     return
 
     def fade(self) -> None:
