@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -164,6 +164,39 @@ def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
         recent.observe((1, 0, 0) if t != 0.0535 else (1, 1, 1), t)
     recent.commit()
     assert recent.table()["1,1,1"] == pytest.approx(0.0535)
+
+
+def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
+    """The other way round, as a whole run's log showed it at α = 0.3: plain rounds of 31 ms,
+    probes of k = 1 at 46 ms beside them, then a slow spell of plain rounds at 41 ms, after which
+    the machine ran at its normal pace again while k = 1 was chosen (46 ms against the stale 41,
+    it led at 0.3). Unmeasured for STALE_GAP rounds, the plain cell is priced by the k = 1 rounds
+    since, each ÷ k = 1's ratio to the plain round measured beside it (1.48), and drafting stops;
+    the k = 1 rounds right after the slow spell, set against it, do not move that ratio."""
+    def run(after: int) -> CostModel:
+        cm = CostModel()
+        for _ in range(12):  # probes among plain rounds
+            for _ in range(8):
+                cm.observe((1, 0, 0), 0.031)
+            cm.observe((1, 1, 1), 0.046)
+        for _ in range(30):
+            cm.observe((1, 0, 0), 0.041)
+        for _ in range(after):
+            cm.observe((1, 1, 1), 0.046)
+        cm.commit()
+        return cm
+    late, soon = run(STALE_GAP + 2), run(STALE_GAP - 2)
+    assert late.table()["1,0,0"] == pytest.approx(0.031, rel=0.02)
+    assert decide([[0.3]], 1, late.table(), 8, counts=late.counts())["budget"] == 0
+    assert soon.table()["1,0,0"] == pytest.approx(0.041)  # within STALE_GAP its own rounds price it
+    assert decide([[0.3]], 1, soon.table(), 8, counts=soon.counts())["budget"] == 1
+    assert len(late.ratios[(1, 1, 1)]) == 12 + RATIO_NEAR  # rounds far from a plain one form no ratio
+    plain_only = CostModel()  # nothing drafted since: the plain cell keeps its own rounds
+    for _ in range(STALE_GAP + 2):
+        plain_only.observe((1, 0, 0), 0.031)
+    plain_only.observe((1, 1, 1), 0.046)
+    plain_only.commit()
+    assert plain_only.table()["1,0,0"] == pytest.approx(0.031)
 
 
 def test_a_cell_the_ordering_contradicts_is_measured_again():

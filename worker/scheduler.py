@@ -163,6 +163,7 @@ FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rou
                    # first plain round (38 ms against 31 steady) kept α = 0.3 drafting 100 rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
+RATIO_NEAR = 8  # a drafting round is set against the plain rounds only this close to one (their pace may change)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -233,8 +234,8 @@ class CostModel:
             return
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
-        plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - MAX_AGE]
-        if key[1] and plain:
+        plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - STALE_GAP]
+        if key[1] and plain and self.rounds - self.newest((key[0], 0, 0)) <= RATIO_NEAR:
             ratios = self.ratios.setdefault(key, [])
             ratios.append(seconds / _median(plain))
             del ratios[:-WINDOW]
@@ -260,11 +261,32 @@ class CostModel:
         priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was tried
         again after every MAX_AGE rounds)."""
         live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
+        live.update(self._plain_from_drafting())
         for key, v in live.items():
             plain = live.get((key[0], 0, 0))
             if key[1] and plain and self.ratios.get(key) and self.rounds - self.newest(key) > STALE_GAP:
                 live[key] = [x * _median(plain) for x in self.ratios[key]]
         return {key: v for key, v in live.items() if v}
+
+    def _plain_from_drafting(self) -> dict[tuple[int, int, int], list[float]]:
+        """The other way round: a plain cell unmeasured for STALE_GAP rounds while a drafting cell
+        of its N was measured (MIN_SAMPLES rounds since) is priced by that cell's rounds since,
+        each ÷ its ratio to the plain round: both follow the machine's pace, and each priced by
+        its own rounds, one is stale. In a whole run the plain round's first rounds (44 ms, cold,
+        against 35 steady), kept through 100 rounds of drafting, kept k = 1 drafting into the
+        α = 0.2 third of the schedule. A ratio is taken only near a plain round (RATIO_NEAR), so
+        rounds set against a stale plain figure cannot carry it on."""
+        out = {}
+        for (n, b, d), cell in self.cells.items():
+            since = self.newest((n, 0, 0))
+            if b or not cell or self.rounds - since <= STALE_GAP:
+                continue
+            fresh = {key: [t for r, t in v if r > since] for key, v in self.cells.items()
+                     if key[0] == n and key[1] and len(self.ratios.get(key, ())) >= MIN_SAMPLES}
+            key = max(fresh, key=lambda k: (len(fresh[k]), self.newest(k)), default=None)
+            if key is not None and len(fresh[key]) >= MIN_SAMPLES:
+                out[(n, 0, 0)] = [t / _median(self.ratios[key]) for t in fresh[key]]
+        return out
 
     def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
         live = self._live()
