@@ -284,6 +284,22 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
     assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 2 - PIPELINE_WARM_ROUNDS and len(out) == 24
 
 
+def test_a_requests_last_plain_round_is_not_a_cost_sample(pairs):
+    """A request's last plain cycle computes nothing ahead: its round only waits for the token
+    computed before, so it is set apart ("last plain round"). As a sample it priced a batch's
+    tail (one request left) at 5 ms a plain round, where steady ones cost 30."""
+    pair = pairs["qwen3_5+qwen3_5"]
+    req = m.GenerateRequest(messages=[m.Message("user", "tell me a story")], max_tokens=12, temperature=0.0,
+                            mode="joint", ignore_eos=True)
+    eng = Engine(pair.target, EngineConfig(draft_budget=0), pair.drafts["perturbed"])
+    eng.submit("a", req)
+    while eng.has_work():
+        eng.step()
+    reasons = [r for *_, r in eng.scheduler.cost.set_apart]
+    assert reasons.count("last plain round") == 1
+    assert eng.scheduler.cost.counts()["1,0,0"] == 12 - 1 - reasons.count("plain pipeline warm-up") - 1  # less the prefill's and the last
+
+
 @pytest.mark.parametrize("recovery", ["fast", "replay"])
 def test_a_stop_on_the_taken_look_ahead_keeps_neither_drafts_nor_verify(pairs, recovery):
     """A drafting cycle after pipelined plain ones starts with the token computed ahead; kept

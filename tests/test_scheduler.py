@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -191,6 +191,15 @@ def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
     assert soon.table()["1,0,0"] == pytest.approx(0.041)  # within STALE_GAP its own rounds price it
     assert decide([[0.3]], 1, soon.table(), 8, counts=soon.counts())["budget"] == 1
     assert len(late.ratios[(1, 1, 1)]) == 12 + RATIO_NEAR  # rounds far from a plain one form no ratio
+    wild = CostModel()  # ratios 5× off (first rounds 5× dearer) move the figure PACE_BOUND at most
+    for _ in range(8):
+        wild.observe((1, 0, 0), 0.031)
+    for _ in range(5):
+        wild.observe((1, 1, 1), 0.046 * 5)
+    for _ in range(STALE_GAP + 2):
+        wild.observe((1, 1, 1), 0.046)
+    wild.commit()
+    assert wild.table()["1,0,0"] == pytest.approx(0.031 / PACE_BOUND)
     plain_only = CostModel()  # nothing drafted since: the plain cell keeps its own rounds
     for _ in range(STALE_GAP + 2):
         plain_only.observe((1, 0, 0), 0.031)

@@ -237,6 +237,8 @@ class Engine:
         # is paid on its own and timed apart (a draft's catch-up, a discarded look-ahead)
         reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
         reason = reason or switching_cost(decoders, [r.decoder.budget for r in joint], batching, timed_apart=True)
+        if not reason and not batching and any(r.decoder.last and not r.decoder.budget for r in joint):
+            reason = "last plain round"  # it computes nothing ahead: only the wait for the token computed before
         complete = not reason
         for d in decoders:
             d.take_apart()  # what a snapshot's settle paid since is no part of this round

@@ -164,6 +164,7 @@ FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rou
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
 RATIO_NEAR = 8  # a drafting round is set against the plain rounds only this close to one (their pace may change)
+PACE_BOUND = 1.5  # ... and a plain figure priced so moves at most this factor (the pace drifts ±20-30%)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -275,7 +276,10 @@ class CostModel:
         its own rounds, one is stale. In a whole run the plain round's first rounds (44 ms, cold,
         against 35 steady), kept through 100 rounds of drafting, kept k = 1 drafting into the
         α = 0.2 third of the schedule. A ratio is taken only near a plain round (RATIO_NEAR), so
-        rounds set against a stale plain figure cannot carry it on."""
+        rounds set against a stale plain figure cannot carry it on; and the figure moves at most
+        PACE_BOUND either way (a batch's tail, one request left, priced its plain round at 5 ms
+        from ratios to rounds that only waited for a token computed ahead, set apart now: see
+        "last plain round" in worker/engine.py)."""
         out = {}
         for (n, b, d), cell in self.cells.items():
             since = self.newest((n, 0, 0))
@@ -285,7 +289,9 @@ class CostModel:
                      if key[0] == n and key[1] and len(self.ratios.get(key, ())) >= MIN_SAMPLES}
             key = max(fresh, key=lambda k: (len(fresh[k]), self.newest(k)), default=None)
             if key is not None and len(fresh[key]) >= MIN_SAMPLES:
-                out[(n, 0, 0)] = [t / _median(self.ratios[key]) for t in fresh[key]]
+                stale = _median([t for _, t in cell])
+                out[(n, 0, 0)] = [min(max(t / _median(self.ratios[key]), stale / PACE_BOUND), stale * PACE_BOUND)
+                                  for t in fresh[key]]
         return out
 
     def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
