@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.scheduler import FEW_PLAIN_GAP, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -218,7 +218,7 @@ def test_a_cell_the_ordering_contradicts_is_measured_again():
         cm = CostModel()
         for _ in range(5):
             cm.observe((4, 4, 1), 0.180)
-        for _ in range(3):
+        for _ in range(FEW_ROUNDS):  # measured often enough to keep its figure (see the next test)
             cm.observe((4, 0, 0), 0.105)
             cm.observe((4, 12, 3), 0.382)
         for _ in range(STALE_GAP + 8):
@@ -244,6 +244,45 @@ def test_a_cell_the_ordering_contradicts_is_measured_again():
     assert decide(rates, 4, cheaper.table(), 16, counts=cheaper.counts())["allocation"] == [1, 1, 1, 1]
     assert confirmed.counts()["4,4,1"] == 6
     assert decide(rates, 4, confirmed.table(), 16, counts=confirmed.counts())["allocation"] == [2, 2, 2, 2]
+
+
+def test_a_deeper_cell_seldom_measured_is_tried_again():
+    """Three k = 2 rounds in a slow spell (95 ms, where steady ones cost 63-70) priced k = 2 out
+    for a whole run at α = 0.9: k = 1 throughout, no depth past 2 ever tried, 0.90 of k = 4. Left
+    STALE_GAP rounds, a cell past the first drafting depth measured fewer than FEW_ROUNDS times is
+    priced by its neighbours, so the next decision tries it again and its fresh rounds decide; a
+    cell measured that often keeps its figure, and so does a first depth (k = 1 rounds that lose
+    are not tried again and again where drafting does not pay)."""
+    rates = [[0.93] * 8]
+    def run(k2_rounds: int, gap: int) -> CostModel:
+        cm = CostModel()
+        for _ in range(4):
+            cm.observe((1, 0, 0), 0.0326)
+        for _ in range(k2_rounds):
+            cm.observe((1, 2, 2), 0.095)
+        for _ in range(gap):
+            cm.observe((1, 1, 1), 0.047)
+        cm.commit()
+        return cm
+    def depth(cm: CostModel) -> int:
+        return decide(rates, 1, cm.table(), 16, counts=cm.counts())["allocation"][0]
+    assert depth(run(3, STALE_GAP)) == 1  # the dear figure stands while it is recent
+    stale = run(3, STALE_GAP + 2)
+    assert stale.counts()["1,2,2"] == 0 and depth(stale) >= 2
+    stale.observe((1, 2, 2), 0.066)  # the fresh round: cheaper, the cell starts anew
+    stale.commit()
+    assert stale.table()["1,2,2"] == pytest.approx(0.066) and depth(stale) >= 2
+    assert depth(run(FEW_ROUNDS, STALE_GAP + 2)) == 1  # measured often enough: its figure stands
+    dear_k1 = CostModel()
+    for _ in range(4):
+        dear_k1.observe((1, 0, 0), 0.030)
+    for _ in range(MIN_SAMPLES):
+        dear_k1.observe((1, 1, 1), 0.120)
+    for _ in range(STALE_GAP + 2):
+        dear_k1.observe((1, 0, 0), 0.030)
+    dear_k1.commit()
+    assert dear_k1.counts()["1,1,1"] == MIN_SAMPLES  # the first depth is not re-priced
+    assert decide([[0.3] * 8], 1, dear_k1.table(), 16, counts=dear_k1.counts())["budget"] == 0
 
 
 def test_plain_rounds_are_measured_again_while_drafting():

@@ -163,6 +163,7 @@ FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rou
                    # first plain round (38 ms against 31 steady) kept α = 0.3 drafting 100 rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
+FEW_ROUNDS = 2 * MIN_SAMPLES  # a deeper drafting cell measured fewer times, then left STALE_GAP rounds, is tried again
 RATIO_NEAR = 8  # a drafting round is set against the plain rounds only this close to one (their pace may change)
 PACE_BOUND = 1.5  # ... and a plain figure priced so moves at most this factor (the pace drifts ±20-30%)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
@@ -298,9 +299,21 @@ class CostModel:
         live = self._live()
         table = {f"{n},{b},{d}": _median(v) for (n, b, d), v in live.items()}
         counts = {f"{n},{b},{d}": len(v) for (n, b, d), v in live.items()}
-        for key in self._contradicted(table, counts):
+        for key in self._contradicted(table, counts) + self._seldom_measured(table):
             counts[key] = 0
         return table, counts
+
+    def _seldom_measured(self, table: dict[str, float]) -> list[str]:
+        """Cells past the first drafting depth measured fewer than FEW_ROUNDS times in all, none in
+        the last STALE_GAP rounds: their count reads 0, so `estimate` caps them by their neighbours
+        and the next decision that prefers them measures them again. Three k = 2 rounds in a slow
+        spell (95 ms, where steady ones cost 63-70) priced k = 2 out for a whole run at α = 0.9, and
+        no depth past it was tried: k = 1 throughout, 0.90 of k = 4 (with this, 1.06-1.12 of k = 4 in
+        two targeted runs). The first depth is left out: where drafting does not pay, k = 1 is what
+        the probes measure already, and re-pricing it too would draft k = 1 rounds that lose."""
+        return [f"{n},{b},{d}" for (n, b, d), cell in self.cells.items()
+                if d >= 2 and len(cell) < FEW_ROUNDS and self.rounds - self.newest((n, b, d)) > STALE_GAP
+                and f"{n},{b},{d}" in table]
 
     def _contradicted(self, table: dict[str, float], counts: dict[str, int]) -> list[str]:
         """Cells dearer than a measured one that does more work, unmeasured for STALE_GAP rounds:
