@@ -57,9 +57,17 @@ def run_gpu(args: argparse.Namespace) -> int:
                                                 for _ in range(args.repeats))[args.repeats // 2]
         progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f}), "
                  f"plain {fig['plain_tps_by_mode'][mode]:.1f} tok/s")
+    if args.bits is None:  # the draft's few-kernel path (spec/fast_draft.py): unquantized layers only
+        fig["fast_check"] = gb.fast_check(draft)
+        progress(f"draft kernels' path against its ops and mlx-lm's forward: {fig['fast_check']}")
+        gb.set_mode(draft, "kernels")
+        fig["draft_step_ms"]["kernels"] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
+        fig["draft_chain_step_ms"]["kernels"] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
+        progress(f"kernels: draft step {fig['draft_step_ms']['kernels']:.1f} ms (chained {fig['draft_chain_step_ms']['kernels']:.1f})")
     fig["mode"] = args.mode
+    fig["draft_mode"] = args.mode if args.draft_mode == "mode" or args.bits else args.draft_mode
     gb.set_mode(target, args.mode)
-    gb.set_mode(draft, args.mode)
+    gb.set_mode(draft, fig["draft_mode"])
     plain = fig["plain_tps_by_mode"][fig["mode"]]
     reference = gb.greedy_reference(target, prompt, args.tokens)
     bpt = gb.bytes_per_token(target, tcfg)
@@ -88,7 +96,9 @@ def run_gpu(args: argparse.Namespace) -> int:
         f"target forward ms by tokens ({fig['mode']}): " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
         + "; recorded: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_recorded_ms"].items()),
         "draft step ms " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_step_ms"].items())
-        + "; chained 4 on the device: " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_chain_step_ms"].items()),
+        + "; chained 4 on the device: " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_chain_step_ms"].items())
+        + f"; the joint runs' draft: {fig['draft_mode']}",
+        _fast_line(fig),
         "×plain: median over the repeats of the run's tokens/s ÷ the mean of the plain runs just before and after it; "
         "adaptive ÷ best fixed k (fast, each paired so): " + ", ".join(f"α={j['alpha']} {j['vs_best_fixed']:.2f}" for j in fig["joint"]
                                                     if "vs_best_fixed" in j),
@@ -196,6 +206,17 @@ def _kernel_line(fig: dict) -> str:
             f"the run uses {'the kernel' if fig['gdn'] == 'kernel' else 'ops'}")
 
 
+def _fast_line(fig: dict) -> str:
+    c = fig.get("fast_check")
+    if not c:
+        return "draft kernels' path: not run (quantized weights)"
+    return (f"draft kernels' path ({'CUDA kernels' if c['kernels_ran'] else 'their ops: no CUDA here'}), logits of 1 / 2 tokens "
+            f"(of {c['logits_1_max_abs']:.2g} / {c['logits_2_max_abs']:.2g}): kernels − ops {c['logits_1_kernel_vs_ops']:.2g} / "
+            f"{c['logits_2_kernel_vs_ops']:.2g}, kernels − mlx-lm {c['logits_1_kernel_vs_mlx_lm']:.2g} / "
+            f"{c['logits_2_kernel_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_agree']} / {c['argmax_2_agree']}; "
+            f"states kernels − ops {c['state_kernel_vs_ops']:.2g} (of {c['state_max_abs']:.2g})")
+
+
 def _goals(fig: dict) -> None:
     joint = fig["joint"]
     fast = [j for j in joint if j["recovery"] == "fast"]
@@ -225,6 +246,9 @@ def add_command(benches) -> None:
     p.add_argument("--mode", choices=("eager", "fused", "static"), default="static",
                    help="the forward of plain and joint runs: mlx-lm's eager layers, compiled Gated-DeltaNet layers, "
                         "or the whole forward compiled on fixed-shape state (default; all three are measured side by side)")
+    p.add_argument("--draft-mode", choices=("kernels", "mode"), default="kernels",
+                   help="the draft's forward in the joint runs: narrow forwards in a few large kernels a layer "
+                        "(default; unquantized weights), or --mode's like the target's (both measured side by side)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

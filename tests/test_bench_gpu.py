@@ -15,8 +15,12 @@ def test_bench_gpu_small(tmp_path):
     assert fig["small"] and fig["plain_tps"] > 0 and fig["roofline_tps"] > 0
     assert set(fig["target_forward_ms"]) == {"1", "2", "4", "8", "16"}
     for figure in ("draft_step_ms", "draft_chain_step_ms", "plain_tps_by_mode"):  # eager and compiled, side by side
-        assert set(fig[figure]) == {"eager", "fused", "static"} and min(fig[figure].values()) > 0
+        modes = {"eager", "fused", "static"} | ({"kernels"} if figure != "plain_tps_by_mode" else set())
+        assert set(fig[figure]) == modes and min(fig[figure].values()) > 0
     assert fig["mode"] == "static" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
+    assert fig["draft_mode"] == "kernels"  # the joint runs' draft takes the kernels' path (their ops on the CPU)
+    check = fig["fast_check"]
+    assert not check["kernels_ran"] and check["logits_1_ops_vs_mlx_lm"] <= 1e-4 * check["logits_1_max_abs"]
     configs = {(j["recovery"], j["config"]) for j in fig["joint"]}
     assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")}
     assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size

@@ -21,6 +21,7 @@ from mlx_lm.models import qwen3_5
 from worker.scheduler import Scheduler
 from worker.spec import state as st
 from worker.spec.draft import ControlledDrafter
+from worker.spec.fast_draft import set_fast
 from worker.spec.fused import set_fused
 from worker.spec.joint import JointDecoder, switching_cost
 from worker.spec.sampling import SamplingParams
@@ -71,13 +72,18 @@ def build(config: dict, dtype=mx.bfloat16, seed: int = 0, bits: Optional[int] = 
 
 
 MODES = ("eager", "fused", "static")
+DRAFT_MODES = MODES + ("kernels",)
 
 
 def set_mode(model, mode: str) -> None:
     """eager: mlx-lm's layers; fused: Gated-DeltaNet layers compiled one by one (spec/fused.py);
-    static: the whole forward compiled on fixed-shape state (spec/static.py)."""
+    static: the whole forward compiled on fixed-shape state (spec/static.py); kernels (a draft's):
+    narrow forwards in a few large kernels a layer (spec/fast_draft.py), the rest eager."""
+    set_fast(model, False)
     set_static(model, mode == "static")
     set_fused(model, mode == "fused")
+    if mode == "kernels" and not set_fast(model):
+        raise ValueError("the kernels' path needs a Qwen3.5 model of unquantized linear layers")
 
 
 def n_params(model) -> int:
@@ -169,6 +175,36 @@ def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
             "state_max_abs_diff": max(mx.abs(states[t] - ss[t]).max().item() for t in range(n_tokens)),
             "final_equals_last_state": bool(mx.array_equal(final, states[-1]).item()),
             "state_max_abs": mx.abs(ss[-1]).max().item()}
+
+
+def fast_check(model, context: int = 64) -> dict:
+    """The draft's kernels' path (spec/fast_draft.py) against its ops and against mlx-lm's forward,
+    one forward of 1 and of 2 tokens after `context`: the largest logit differences, their scale,
+    whether the argmax agrees, and the largest difference of the recurrent states after them."""
+    from worker.spec import draft_kernels as dk
+    from worker.spec import fast_draft
+
+    layers = fast_draft._prepare(model)
+    prompt = mx.array([list(range(1, context + 1))])
+    caches = {name: st.make_cache(model) for name in ("kernel", "ops", "mlx_lm")}
+    for c in caches.values():
+        mx.eval(model.language_model(prompt, cache=c))  # mlx-lm's forward, whatever path the model takes
+    ran = dk.available(layers[0].ln1.dtype)
+    out: dict = {"kernels_ran": ran}  # where they do not run, "kernel" is their ops again
+    for x in (mx.array([[7]]), mx.array([[8, 9]])):
+        got = {"kernel": fast_draft.forward(model, x, caches["kernel"], layers, kernel=ran),
+               "ops": fast_draft.forward(model, x, caches["ops"], layers, kernel=False),
+               "mlx_lm": model.language_model(x, cache=caches["mlx_lm"])}
+        got = {k: v.astype(mx.float32) for k, v in got.items()}
+        n = x.shape[1]
+        out[f"logits_{n}_max_abs"] = mx.abs(got["mlx_lm"]).max().item()
+        for a, b in (("kernel", "ops"), ("kernel", "mlx_lm"), ("ops", "mlx_lm")):
+            out[f"logits_{n}_{a}_vs_{b}"] = mx.abs(got[a] - got[b]).max().item()
+        out[f"argmax_{n}_agree"] = bool(mx.array_equal(mx.argmax(got["kernel"], -1), mx.argmax(got["mlx_lm"], -1)).item())
+    states = [(k[1], o[1]) for k, o in zip(caches["kernel"], caches["ops"]) if isinstance(k, st.RecordingArraysCache)]
+    out["state_kernel_vs_ops"] = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for a, b in states)
+    out["state_max_abs"] = max(mx.abs(b).max().item() for _, b in states)
+    return out
 
 
 def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10) -> float:

@@ -1,0 +1,173 @@
+"""A Qwen3.5 draft's forward in a few large kernels a layer (spec/draft_kernels.py).
+
+mlx-lm's forward of the 0.75 B draft launches ~600 kernels a token; on the H200 their dispatch,
+not the 1.5 GB of weights, sets the step's cost. Here a Gated-DeltaNet layer is five launches:
+the in-projection on the normed input (its four projections stacked), `gdn_step`, the
+out-projection plus the residual, the MLP's gate and up projections with swiglu (stacked) on the
+normed stream, the down projection plus the residual. Attention layers (one in four) keep
+mlx-lm's norms, RoPE, KV cache and attention between kernel projections.
+
+`set_fast(model)` makes the model's forward take this path for narrow forwards (a draft's steps,
+1-MAX_T tokens of one sequence on a plain cache); prompts, batches, padded or recording caches go
+through mlx-lm's forward as before. Where the kernels do not run (the CPU) the same path runs their
+ops, which is how the tests check it against mlx-lm's forward. The stacked weights are copies
+(0.65 GB for the 0.75 B draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from worker.spec import draft_kernels as dk
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights as the kernels take them."""
+
+    ln1: mx.array
+    ln2: mx.array
+    eps: float
+    gate_up: mx.array  # [2I, H]: gate_proj over up_proj
+    down: mx.array
+    in_w: Optional[mx.array] = None  # Gated-DeltaNet: qkv, z, b, a projections stacked
+    conv_w: Optional[mx.array] = None  # [C, 4]
+    dims: tuple = ()  # (Hk, Dk, Hv, Dv)
+
+
+def _prepare(model) -> Optional[list[_Layer]]:
+    """The stacked weights, or None where the path does not apply (quantized or MoE layers, a
+    quantized embedding or head)."""
+    text = model.language_model
+    head = getattr(text, "lm_head", None)
+    if type(text.model.embed_tokens) is not nn.Embedding or (head is not None and type(head) is not nn.Linear):
+        return None
+    layers = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        if not isinstance(mlp, qwen3_5.MLP) or any(
+                type(m) is not nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return None
+        entry = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                       layer.input_layernorm.eps, mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                       mlp.down_proj.weight)
+        if layer.is_linear:
+            g = layer.linear_attn
+            projs = (g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj)
+            if any(type(m) is not nn.Linear for m in projs) or g.conv_kernel_size != 4:
+                return None
+            entry.in_w = mx.concatenate([m.weight for m in projs[:4]])
+            entry.conv_w = g.conv1d.weight.reshape(g.conv_dim, 4)
+            entry.dims = (g.num_k_heads, g.head_k_dim, g.num_v_heads, g.head_v_dim)
+        elif any(type(m) is not nn.Linear for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                    layer.self_attn.v_proj, layer.self_attn.o_proj)):
+            return None
+        layers.append(entry)
+    mx.eval([(l.gate_up, l.in_w, l.conv_w) for l in layers])
+    return layers
+
+
+def _eligible(inputs: mx.array, cache: Optional[list]) -> bool:
+    if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1 or not 1 <= inputs.shape[1] <= dk.MAX_T:
+        return False
+    for c in cache:
+        if type(c) is KVCache:
+            continue
+        if not isinstance(c, ArraysCache) or getattr(c, "record", False) or c.lengths is not None \
+                or c.left_padding is not None:
+            return False
+    return True
+
+
+def _gdn(g, w: _Layer, x: mx.array, c: ArraysCache, kernel: bool) -> mx.array:
+    T = x.shape[0]
+    Hk, Dk, Hv, Dv = w.dims
+    p = dk.gemv(x, w.in_w, w.ln1, w.eps, kernel=kernel)
+    conv_state = c[0].reshape(3, g.conv_dim) if c[0] is not None else mx.zeros((3, g.conv_dim), dtype=x.dtype)
+    state = c[1].reshape(Hv, Dv, Dk) if c[1] is not None else mx.zeros((Hv, Dv, Dk), dtype=mx.float32)
+    if state.dtype != mx.float32:
+        state = state.astype(mx.float32)
+    y, conv, state = dk.gdn_step(p, conv_state, w.conv_w, g.A_log, g.dt_bias, state, g.norm.weight, g.norm.eps,
+                                 w.dims, kernel=kernel)
+    c[0], c[1] = conv[None], state[None]
+    c.advance(T)
+    return dk.gemv(y, g.out_proj.weight, res=x, kernel=kernel)
+
+
+def _attention(a, w: _Layer, x: mx.array, c: KVCache, kernel: bool) -> mx.array:
+    T = x.shape[0]
+    q = dk.gemv(x, a.q_proj.weight, w.ln1, w.eps, kernel=kernel)
+    k = dk.gemv(x, a.k_proj.weight, w.ln1, w.eps, kernel=kernel)
+    v = dk.gemv(x, a.v_proj.weight, w.ln1, w.eps, kernel=kernel)
+    queries, gate = mx.split(q.reshape(1, T, a.num_attention_heads, -1), 2, axis=-1)
+    queries = a.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = a.k_norm(k.reshape(1, T, a.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = v.reshape(1, T, a.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    queries, keys = a.rope(queries, offset=c.offset), a.rope(keys, offset=c.offset)
+    mask = create_attention_mask(x[None], c)
+    keys, values = c.update_and_fetch(keys, values)
+    out = scaled_dot_product_attention(queries, keys, values, cache=c, scale=a.scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(T, -1) * mx.sigmoid(gate.reshape(T, -1))
+    return dk.gemv(out, a.o_proj.weight, res=x, kernel=kernel)
+
+
+def forward(model, inputs: mx.array, cache: list, layers: list[_Layer], kernel: bool) -> mx.array:
+    """Logits [1, T, V] of one sequence's T tokens, the cache advanced as mlx-lm's forward does."""
+    text = model.language_model
+    h = text.model.embed_tokens(inputs).reshape(inputs.shape[1], -1)
+    for layer, w, c in zip(model.layers, layers, cache):
+        if layer.is_linear:
+            h = _gdn(layer.linear_attn, w, h, c, kernel)
+        else:
+            h = _attention(layer.self_attn, w, h, c, kernel)
+        m = dk.gemv(h, w.gate_up, w.ln2, w.eps, swiglu=True, kernel=kernel)
+        h = dk.gemv(m, w.down, res=h, kernel=kernel)
+    norm = text.model.norm
+    head = text.model.embed_tokens.weight if text.args.tie_word_embeddings else text.lm_head.weight
+    return dk.gemv(h, head, norm.weight, norm.eps, kernel=kernel)[None]
+
+
+class FastForward:
+    """Mixin put before a Qwen3.5 model's class by set_fast: narrow forwards of one sequence take
+    the kernels' path (see the module's note), the rest the model's own __call__."""
+
+    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, **kwargs):
+        layers = self.__dict__.get("_fast_layers")
+        if kwargs or layers is None or not _eligible(inputs, cache):
+            return super().__call__(inputs, cache=cache, **kwargs)
+        return forward(self, inputs, cache, layers, dk.available(layers[0].ln1.dtype))
+
+
+def set_fast(model, on: bool = True) -> bool:
+    """Makes the model's narrow forwards take the kernels' path, or takes it back; True if the
+    path applies to the model (a Qwen3.5 model of unquantized linear layers)."""
+    cls = type(model)
+    if not on:
+        if issubclass(cls, FastForward):
+            model.__class__ = cls.__mro__[2]
+        return False
+    if not isinstance(model, qwen3_5.Model):
+        return False
+    if "_fast_layers" not in model.__dict__:
+        model.__dict__["_fast_layers"] = _prepare(model)
+    if model.__dict__["_fast_layers"] is None:
+        return False
+    if not issubclass(cls, FastForward):
+        model.__class__ = type(f"Fast{cls.__name__}", (FastForward, cls), {})
+    return True
+
+
+def install_where_it_runs(model) -> bool:
+    """A draft's narrow forwards take the kernels' path where the kernels run (a CUDA GPU,
+    bfloat16); True if so. Elsewhere the model is left as it is."""
+    weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)
+    if weight is None or not dk.available(weight.weight.dtype):
+        return False
+    return set_fast(model)
