@@ -507,6 +507,10 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     observed = [rec for rec in map(json.loads, lines) if "observed" in rec]  # every round's time, beside the decisions
     assert sum(rec["complete"] for rec in observed) == engine.scheduler.cost.rounds
     assert all(rec["observed"] > 0 and len(rec["shape"]) == 3 and (rec["complete"] or rec["reason"]) for rec in observed)
+    drafting = [rec for rec in observed if rec["shape"][2]]
+    assert drafting and all(0 < rec["draft_s"] < rec["observed"] for rec in drafting)  # the engine times its drafting
+    assert all(rec["draft_s"] == 0 for rec in observed if not rec["shape"][2])
+    assert engine.scheduler.cost.draft_step(2) or engine.scheduler.cost.draft_step(1)
     i = max(i for i, line in enumerate(lines) if any(json.loads(line).get("acceptance", [])[:1]))  # the last that could draft
     rec = json.loads(lines[i])
     rec["acceptance"][0][0] = 0.01 if rec["acceptance"][0][0] > 0.5 else 0.99
@@ -515,6 +519,30 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     altered.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
     r = subprocess.run([*verity, str(altered)], capture_output=True, text=True)
     assert r.returncode == 1 and f"line {i + 1}" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_depth_past_the_deepest_measured_costs_at_least_a_draft_step():
+    """On this CPU a verify of 5 tokens costs what one of 3 does, so past k = 2 a depth costs
+    little more than its draft step (the controlled draft's: a few ms). The cheapest step seen
+    (13.7 ms, plain to k = 1) priced k = 4 at 100 ms where the fixed k = 4 engine's rounds cost
+    ~86, and α = 0.9 on one request stayed at k = 1 (0.89 of k = 4). With the draft step measured
+    per depth, a depth past the deepest measured is priced at no more than a draft step a depth
+    more: k = 4 is tried; where acceptance does not pay for it, it is not."""
+    table = {"1,0,0": 0.0306, "1,1,1": 0.0443, "1,2,2": 0.0682, "1,3,3": 0.0863}
+    counts = {"1,0,0": 32, "1,1,1": 32, "1,2,2": 32, "1,3,3": 3}
+    high, low = [[0.86] * 8], [[0.6] * 8]
+    assert decide(high, 1, table, 16, counts=counts)["budget"] == 1
+    d = decide(high, 1, table, 16, counts=counts, draft_step=0.002)
+    assert d["budget"] == 4 and any(c["B"] == 4 and abs(c["cost"] - 0.0883) < 1e-9 for c in d["candidates"])
+    assert decide(low, 1, table, 16, counts=counts, draft_step=0.002)["budget"] == 1
+    cm = CostModel()
+    cm.observe((1, 2, 2), 0.070, draft_s=0.016)
+    cm.observe((1, 4, 4), 0.090, draft_s=0.036)
+    cm.observe((1, 4, 4), 0.095, draft_s=0.040)
+    cm.interrupt("cancel")  # an interrupted round's drafting is no sample either
+    cm.observe((1, 0, 0), 0.030)
+    cm.commit()
+    assert cm.draft_step(1) == pytest.approx(0.0085) and cm.draft_step(4) is None
 
 
 def test_a_few_unlucky_cycles_do_not_stop_a_request_drafting():

@@ -267,8 +267,9 @@ class Engine:
         for d in decoders:
             for why, seconds in d.take_apart().items():
                 apart[why] = apart.get(why, 0.0) + seconds
+        drafting = sum(d.last_draft_s for k, d in zip(plan, decoders) if k)
         self.scheduler.observe_round(time.perf_counter() - t0 - sum(apart.values()), complete,
-                                     reason or ("" if complete else "prefill or error"), apart)
+                                     reason or ("" if complete else "prefill or error"), apart, drafting)
 
     def _tokens_left(self, r: _Request) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))

@@ -319,7 +319,8 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
         jd.commit(keep)
         sched.observe_cycle("r", *jd.last_cycle)
         apart = jd.take_apart()
-        sched.observe_round(time.perf_counter() - t - sum(apart.values()), complete=not untimed, reason=untimed, apart=apart)
+        sched.observe_round(time.perf_counter() - t - sum(apart.values()), complete=not untimed, reason=untimed, apart=apart,
+                            draft_s=jd.last_draft_s if budget else 0.0)
         out += emitted[:keep]
     wall = time.perf_counter() - t0
     s = jd.stats

@@ -187,8 +187,10 @@ class CostModel:
     that measured it, scaled by the two plain rounds' ratio, else extrapolated optimistically: at
     the cheapest step per depth measured so far (costs are staircases: the depth after a dear one
     can be nearly free), or, with one drafting depth measured, at PRIOR_SLOPE × the plain round's
-    cost per depth (the first depth's jump is mostly the fixed cost of drafting at all), so that a
-    deeper draft that might pay gets tried and is then priced by its own measurement. Noise is
+    cost per depth (the first depth's jump is mostly the fixed cost of drafting at all), and at no
+    more than the measured draft step a depth (`draft_step`: a depth more costs at least its draft
+    step, and its verify may cost no more), so that a deeper draft that might pay gets tried and
+    is then priced by its own measurement. Noise is
     bounded where the work is known to be ordered (see `estimate`). A measurement expires after
     MAX_AGE timed rounds; a drafting cell unmeasured for STALE_GAP rounds is priced by its
     ratio to the plain round (see `_live`), so its figure follows a change of load. A stale cell
@@ -211,21 +213,27 @@ class CostModel:
         self.rounds = 0
         self.pending: tuple | None = None
         self.set_apart: deque = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
+        self.draft_steps: dict[int, deque] = {}  # by N: a drafting round's drafting seconds ÷ its depth
 
-    def observe(self, key: tuple[int, int, int], seconds: float) -> None:
+    def observe(self, key: tuple[int, int, int], seconds: float, draft_s: float = 0.0) -> None:
         self.commit()
         self.rounds += 1
-        self.pending = (key, seconds)
+        self.pending = (key, seconds, draft_s)
 
     def interrupt(self, reason: str) -> None:
         if self.pending is not None:
-            self.set_apart.append((*self.pending, reason))
+            self.set_apart.append((*self.pending[:2], reason))
             self.pending = None
+
+    def draft_step(self, n: int) -> float | None:
+        """Median drafting seconds a depth of rounds with n requests (None: none measured)."""
+        steps = self.draft_steps.get(n)
+        return _median(steps) if steps else None
 
     def commit(self) -> None:
         if self.pending is None:
             return
-        key, seconds = self.pending
+        key, seconds, draft_s = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
         if cell and self.rounds - cell[-1][0] > STALE_GAP and seconds < _median([t for _, t in cell]):
@@ -234,6 +242,8 @@ class CostModel:
         if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
             self.set_apart.append((key, seconds, "stall"))
             return
+        if key[2] and draft_s > 0:
+            self.draft_steps.setdefault(key[0], deque(maxlen=WINDOW)).append(draft_s / key[2])
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
         plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - STALE_GAP]
@@ -385,18 +395,20 @@ def _reach(table: dict[str, float], n: int) -> int:
     return max([own] + shared)
 
 
-def estimate(table: dict[str, float], n: int, b: int, d: int, counts: dict[str, int] | None = None) -> float | None:
+def estimate(table: dict[str, float], n: int, b: int, d: int, counts: dict[str, int] | None = None,
+             draft_step: float | None = None) -> float | None:
     """Cost of a round from a logged table (see CostModel); None when nothing of this N is known.
 
     A round never costs more than a measured one that does more work (at least as many tokens
     and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
     MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
     neighbour's load, a first allocation) must not price a cell out of ever being measured again.
+    `draft_step`: the measured drafting seconds a depth (see `_interpolate`).
     """
-    cost = _interpolate(table, n, b, d)
+    cost = _interpolate(table, n, b, d, draft_step)
     key = f"{n},{b},{d}"
     if cost is not None and counts is not None and key in table and counts.get(key, 0) < MIN_SAMPLES:
-        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d)
+        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step)
         cost = cost if others is None else min(cost, others)
     bounds = [v for k, v in table.items() if _dominates(k, n, b, d) and (counts is None or counts.get(k, 0) >= MIN_SAMPLES)]
     return min([cost] + bounds) if cost is not None else None
@@ -407,7 +419,7 @@ def _dominates(key: str, n: int, b: int, d: int) -> bool:
     return kn == n and kb >= b and kd >= d and (kb, kd) != (b, d)
 
 
-def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | None:
+def _interpolate(table: dict[str, float], n: int, b: int, d: int, draft_step: float | None = None) -> float | None:
     exact = table.get(f"{n},{b},{d}")
     if exact is not None:
         return exact
@@ -430,6 +442,8 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
         slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
     else:
         slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
+    if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more
+        slope = min(slope, draft_step)
     return by_depth[deepest] + slope * (d - deepest)
 
 
@@ -439,7 +453,7 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int) -> float | Non
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
            probe: bool = False, counts: dict[str, int] | None = None,
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
-           explore_plain: bool = False) -> dict:
+           explore_plain: bool = False, draft_step: float | None = None) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -470,7 +484,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
         d = max(lengths, default=0)
         if d > reach:
             break  # allocations only deepen as B grows
-        cost = estimate(table, n_requests, b, d, counts)
+        cost = estimate(table, n_requests, b, d, counts, draft_step)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:
@@ -644,7 +658,8 @@ class Scheduler:
         stop_s = restart if not any(ahead) else 0.0
         gap = self._plain_every.get(n_requests, PLAIN_GAP) if counts.get(f"{n_requests},0,0", 0) >= MIN_SAMPLES else FEW_PLAIN_GAP
         explore = self.cost.rounds - self.cost.newest((n_requests, 0, 0)) >= gap
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore)
+        draft_step = self.cost.draft_step(n_requests)
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step)
         if d["budget"]:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
         decide_s = time.perf_counter() - t0
@@ -652,7 +667,8 @@ class Scheduler:
             self._record({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
-                          "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore, **d})
+                          "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
+                          "draft_step_s": draft_step, **d})
         d["probe"], d["decide_s"] = probe, decide_s
         return d
 
@@ -717,18 +733,20 @@ class Scheduler:
             self._log.flush()
             self._unwritten.clear()
 
-    def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None) -> None:
+    def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None,
+                      draft_s: float = 0.0) -> None:
         """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
-        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds})."""
+        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds});
+        `draft_s`: what of it its drafting took."""
         if self._round is None:
             return
         if self._log:
             self._record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
-                          "complete": complete, "reason": reason, "apart": dict(apart or {})})
+                          "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
         for why, s in (apart or {}).items():
             self.cost.set_apart.append((self._round, s, why))
         if complete:
-            self.cost.observe(self._round, seconds)
+            self.cost.observe(self._round, seconds, draft_s)
         else:
             self.cost.set_apart.append((self._round, seconds, reason))
         self._round = None
@@ -757,7 +775,7 @@ def replay(lines: Sequence[str]) -> list[str]:
             continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
                      rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
-                     rec.get("explore_plain", False))
+                     rec.get("explore_plain", False), rec.get("draft_step_s"))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")

@@ -99,6 +99,7 @@ class JointDecoder:
         self._plain_run = 0  # plain cycles since the pipeline (re)started
         self._apart: dict[str, float] = {}  # switching costs paid on their own: seconds by reason
         self._taken: Optional[tuple] = None  # this cycle began with the look-ahead's token: states before it
+        self.last_draft_s = 0.0  # what the last drafting cycle's proposal took (its share, batched)
 
     # ---- start ----
 
@@ -273,6 +274,7 @@ class JointDecoder:
         s.drafted += k
         s.accepted += n
         s.draft_s += draft_s
+        self.last_draft_s = draft_s
         s.verify_s += time.perf_counter() - verify_start
         s.record_acceptance(k, n)
         self.last_cycle = (k, n)
