@@ -160,7 +160,7 @@ def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: lis
         d._base = (bases[r], before[r]) if d.recovery == "replay" else None
         d._steps = [] if d.recovery == "replay" else [
             (bases[r] + f + j, _row_checkpoint(batch, steps[j], r, bases[r] + f + j)) for j in range(k)]
-        d.consumed = list(contexts[i]) + drafted[:-1]
+        d.consumed_through(contexts[i], drafted)
         out[i] = (drafted, probs[r])
     return out
 

@@ -311,7 +311,7 @@ class JointDecoder:
                 self.target(mx.array(([self.tokens[-1]] + drafted)[:m])[None], cache=self.cache)
         self._stop_recording()
         self.tokens += emitted[:m]
-        self.drafter.recover(self.tokens[:-1])
+        self.drafter.recover(self.tokens, len(self.tokens) - 1)
         if m < verified:  # evaluate the recovered state here, so recovery time is what it costs
             st.eval_state(self.cache)
         self.stats.recovery_s += time.perf_counter() - t0
