@@ -60,12 +60,15 @@ def run_gpu(args: argparse.Namespace) -> int:
     if args.bits is None:  # the draft's few-kernel path (spec/fast_draft.py): unquantized layers only
         fig["fast_check"] = gb.fast_check(draft)
         progress(f"draft kernels' path against its ops and mlx-lm's forward: {fig['fast_check']}")
-        gb.set_mode(draft, "kernels")
-        fig["draft_step_ms"]["kernels"] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
-        fig["draft_chain_step_ms"]["kernels"] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
-        progress(f"kernels: draft step {fig['draft_step_ms']['kernels']:.1f} ms (chained {fig['draft_chain_step_ms']['kernels']:.1f})")
+        for mode in ("kernels", "persistent") if fig["fast_check"]["persistent_ran"] else ("kernels",):
+            gb.set_mode(draft, mode)
+            fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
+            fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
+            progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f})")
     fig["mode"] = args.mode
     fig["draft_mode"] = args.mode if args.draft_mode == "mode" or args.bits else args.draft_mode
+    if fig["draft_mode"] == "persistent" and not (fig.get("fast_check") or {}).get("persistent_ran"):
+        fig["draft_mode"] = "kernels"  # the one-launch step runs on CUDA only
     gb.set_mode(target, args.mode)
     gb.set_mode(draft, fig["draft_mode"])
     plain = fig["plain_tps_by_mode"][fig["mode"]]
@@ -213,8 +216,13 @@ def _fast_line(fig: dict) -> str:
     return (f"draft kernels' path ({'CUDA kernels' if c['kernels_ran'] else 'their ops: no CUDA here'}), logits of 1 / 2 tokens "
             f"(of {c['logits_1_max_abs']:.2g} / {c['logits_2_max_abs']:.2g}): kernels − ops {c['logits_1_kernel_vs_ops']:.2g} / "
             f"{c['logits_2_kernel_vs_ops']:.2g}, kernels − mlx-lm {c['logits_1_kernel_vs_mlx_lm']:.2g} / "
-            f"{c['logits_2_kernel_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_agree']} / {c['argmax_2_agree']}; "
-            f"states kernels − ops {c['state_kernel_vs_ops']:.2g} (of {c['state_max_abs']:.2g})")
+            f"{c['logits_2_kernel_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_kernel_agrees']} / {c['argmax_2_kernel_agrees']}; "
+            f"states kernels − ops {c['state_kernel_vs_ops']:.2g} (of {c['state_max_abs']:.2g})"
+            + ("" if not c.get("persistent_ran") else
+               f"; one launch (spec/persistent_draft.py) − mlx-lm: logits {c['logits_1_persistent_vs_mlx_lm']:.2g} / "
+               f"{c['logits_2_persistent_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_persistent_agrees']} / "
+               f"{c['argmax_2_persistent_agrees']}, states {c['state_persistent_vs_mlx_lm']:.2g} (kernels − mlx-lm "
+               f"{c['state_kernel_vs_mlx_lm']:.2g}), barrier failed {c['persistent_barrier_failed']}"))
 
 
 def _goals(fig: dict) -> None:
@@ -246,9 +254,10 @@ def add_command(benches) -> None:
     p.add_argument("--mode", choices=("eager", "fused", "static"), default="static",
                    help="the forward of plain and joint runs: mlx-lm's eager layers, compiled Gated-DeltaNet layers, "
                         "or the whole forward compiled on fixed-shape state (default; all three are measured side by side)")
-    p.add_argument("--draft-mode", choices=("kernels", "mode"), default="kernels",
-                   help="the draft's forward in the joint runs: narrow forwards in a few large kernels a layer "
-                        "(default; unquantized weights), or --mode's like the target's (both measured side by side)")
+    p.add_argument("--draft-mode", choices=("persistent", "kernels", "mode"), default="persistent",
+                   help="the draft's forward in the joint runs: narrow forwards in one launch for all layers "
+                        "(default; CUDA, unquantized weights; else kernels), in a few large kernels a layer, or "
+                        "--mode's like the target's (all measured side by side)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

@@ -67,3 +67,46 @@ def test_a_draft_takes_the_kernels_path_only_where_they_run(monkeypatch):
     assert fast_draft.install_where_it_runs(m) and isinstance(m, fast_draft.FastForward)
     q = gb.build(dict(gb.DRAFT_08B, **gb.SMALL), mx.bfloat16, 4, bits=4)
     assert not fast_draft.install_where_it_runs(q)  # quantized layers: mlx-lm's forward
+
+
+def test_the_one_launch_steps_weights_are_stacked_and_shared_with_the_sublayer_path():
+    from worker.spec import persistent_draft as pd
+
+    # head_dim 256 with a quarter rotary: the 64 RoPE dims the one-launch step takes (as the 0.8 B draft's)
+    m = gb.build(dict(gb.DRAFT_08B, **dict(gb.SMALL, head_dim=256), full_attention_interval=2), mx.float32, 4)
+    layers = fast_draft._prepare(m)
+    w = pd.prepare(m, layers)
+    assert w is not None and w.attn_layers == 2
+    lin = [i for i, l in enumerate(m.layers) if l.is_linear]
+    assert w.gate_up.shape[0] == len(m.layers) and w.in_w.shape[0] == len(lin) == 2
+    assert dict(w.template)["ROT"] == 64 and dict(w.template)["FAI"] == 2
+    for i, x in enumerate(layers):  # the sublayer path reads the same weights (views of the stacks)
+        assert mx.array_equal(x.gate_up, w.gate_up[i]).item()
+    attn = next(l.self_attn for l in m.layers if not l.is_linear)
+    assert mx.array_equal(w.qkv_w[0], mx.concatenate([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])).item()
+    m2 = gb.build(dict(gb.DRAFT_08B, **gb.SMALL, full_attention_interval=2), mx.float32, 5)
+    assert pd.prepare(m2, fast_draft._prepare(m2)) is None  # head_dim 64: 16 rotary dims, not a multiple of 64
+
+
+def test_a_full_kv_cache_grows_before_the_one_launch_step_writes_into_it():
+    from mlx_lm.models.cache import KVCache
+    from worker.spec import persistent_draft as pd
+
+    c = KVCache()
+    k = mx.random.normal((1, 2, 256, 8))
+    c.update_and_fetch(k, k + 1)
+    assert c.keys.shape[2] == 256 == c.offset
+    pd._make_room(c, 2)
+    assert c.keys.shape[2] == 512 and c.offset == 256
+    assert mx.array_equal(c.keys[..., :256, :], k).item() and mx.array_equal(c.values[..., :256, :], k + 1).item()
+    before = c.keys
+    pd._make_room(c, 2)  # room already: the same arrays, written in place by the kernel
+    assert c.keys is before
+
+
+def test_the_one_launch_step_is_installed_only_where_cuda_runs(model):
+    assert fast_draft.set_fast(model, persistent=True)  # the sublayer path applies ...
+    try:
+        assert ("_persistent" in vars(model)) == dk.available(mx.bfloat16)  # ... the one-launch step on CUDA only
+    finally:
+        fast_draft.set_fast(model, False)

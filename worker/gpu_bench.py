@@ -72,7 +72,7 @@ def build(config: dict, dtype=mx.bfloat16, seed: int = 0, bits: Optional[int] = 
 
 
 MODES = ("eager", "fused", "static")
-DRAFT_MODES = MODES + ("kernels",)
+DRAFT_MODES = MODES + ("kernels", "persistent")
 
 
 def set_mode(model, mode: str) -> None:
@@ -82,7 +82,7 @@ def set_mode(model, mode: str) -> None:
     set_fast(model, False)
     set_static(model, mode == "static")
     set_fused(model, mode == "fused")
-    if mode == "kernels" and not set_fast(model):
+    if mode in ("kernels", "persistent") and not set_fast(model, persistent=mode == "persistent"):
         raise ValueError("the kernels' path needs a Qwen3.5 model of unquantized linear layers")
 
 
@@ -182,28 +182,39 @@ def fast_check(model, context: int = 64) -> dict:
     one forward of 1 and of 2 tokens after `context`: the largest logit differences, their scale,
     whether the argmax agrees, and the largest difference of the recurrent states after them."""
     from worker.spec import draft_kernels as dk
-    from worker.spec import fast_draft
+    from worker.spec import fast_draft, persistent_draft
 
     layers = fast_draft._prepare(model)
+    ran = dk.available(layers[0].ln1.dtype)
+    one = persistent_draft.prepare(model, layers) if ran else None  # the one-launch step: CUDA only
     prompt = mx.array([list(range(1, context + 1))])
-    caches = {name: st.make_cache(model) for name in ("kernel", "ops", "mlx_lm")}
+    caches = {name: st.make_cache(model) for name in ("kernel", "ops", "mlx_lm") + (("persistent",) if one else ())}
     for c in caches.values():
         mx.eval(model.language_model(prompt, cache=c))  # mlx-lm's forward, whatever path the model takes
-    ran = dk.available(layers[0].ln1.dtype)
-    out: dict = {"kernels_ran": ran}  # where they do not run, "kernel" is their ops again
+    out: dict = {"kernels_ran": ran, "persistent_ran": one is not None}  # where they do not run, "kernel" is their ops again
     for x in (mx.array([[7]]), mx.array([[8, 9]])):
         got = {"kernel": fast_draft.forward(model, x, caches["kernel"], layers, kernel=ran),
                "ops": fast_draft.forward(model, x, caches["ops"], layers, kernel=False),
                "mlx_lm": model.language_model(x, cache=caches["mlx_lm"])}
+        if one:
+            got["persistent"] = persistent_draft.forward(model, x, caches["persistent"], one)
         got = {k: v.astype(mx.float32) for k, v in got.items()}
         n = x.shape[1]
         out[f"logits_{n}_max_abs"] = mx.abs(got["mlx_lm"]).max().item()
-        for a, b in (("kernel", "ops"), ("kernel", "mlx_lm"), ("ops", "mlx_lm")):
-            out[f"logits_{n}_{a}_vs_{b}"] = mx.abs(got[a] - got[b]).max().item()
-        out[f"argmax_{n}_agree"] = bool(mx.array_equal(mx.argmax(got["kernel"], -1), mx.argmax(got["mlx_lm"], -1)).item())
-    states = [(k[1], o[1]) for k, o in zip(caches["kernel"], caches["ops"]) if isinstance(k, st.RecordingArraysCache)]
-    out["state_kernel_vs_ops"] = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for a, b in states)
-    out["state_max_abs"] = max(mx.abs(b).max().item() for _, b in states)
+        for a, b in (("kernel", "ops"), ("kernel", "mlx_lm"), ("ops", "mlx_lm"), ("persistent", "mlx_lm")):
+            if a in got:
+                out[f"logits_{n}_{a}_vs_{b}"] = mx.abs(got[a] - got[b]).max().item()
+        for a in ("kernel", "persistent"):
+            if a in got:
+                out[f"argmax_{n}_{a}_agrees"] = bool(mx.array_equal(mx.argmax(got[a], -1), mx.argmax(got["mlx_lm"], -1)).item())
+    recurrent = [i for i, c in enumerate(caches["kernel"]) if isinstance(c, st.RecordingArraysCache)]
+    diff = lambda a, b: max(mx.abs(caches[a][i][1].astype(mx.float32) - caches[b][i][1].astype(mx.float32)).max().item()
+                            for i in recurrent)  # noqa: E731
+    out["state_kernel_vs_ops"] = diff("kernel", "ops")
+    out["state_max_abs"] = max(mx.abs(caches["ops"][i][1]).max().item() for i in recurrent)
+    if one:
+        out["state_persistent_vs_mlx_lm"], out["state_kernel_vs_mlx_lm"] = diff("persistent", "mlx_lm"), diff("kernel", "mlx_lm")
+        out["persistent_barrier_failed"] = persistent_draft.failed(one)
     return out
 
 

@@ -26,6 +26,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from worker.spec import draft_kernels as dk
+from worker.spec import persistent_draft
 
 
 @dataclass
@@ -142,13 +143,21 @@ class FastForward:
         layers = self.__dict__.get("_fast_layers")
         if kwargs or layers is None or not _eligible(inputs, cache):
             return super().__call__(inputs, cache=cache, **kwargs)
+        one = self.__dict__.get("_persistent")
+        if one is not None and persistent_draft.eligible(cache, inputs.shape[1]):
+            try:
+                return persistent_draft.forward(self, inputs, cache, one)
+            except RuntimeError:  # a barrier timed out: this forward and those after take the kernels a sublayer
+                del self.__dict__["_persistent"]
         return forward(self, inputs, cache, layers, dk.available(layers[0].ln1.dtype))
 
 
-def set_fast(model, on: bool = True) -> bool:
+def set_fast(model, on: bool = True, persistent: bool = False) -> bool:
     """Makes the model's narrow forwards take the kernels' path, or takes it back; True if the
-    path applies to the model (a Qwen3.5 model of unquantized linear layers)."""
+    path applies to the model (a Qwen3.5 model of unquantized linear layers). `persistent`: where
+    spec/persistent_draft.py applies, its one-launch step instead (CUDA only)."""
     cls = type(model)
+    model.__dict__.pop("_persistent", None)
     if not on:
         if issubclass(cls, FastForward):
             model.__class__ = cls.__mro__[2]
@@ -161,13 +170,16 @@ def set_fast(model, on: bool = True) -> bool:
         return False
     if not issubclass(cls, FastForward):
         model.__class__ = type(f"Fast{cls.__name__}", (FastForward, cls), {})
+    if persistent and dk.available(model.__dict__["_fast_layers"][0].ln1.dtype):
+        model.__dict__["_persistent"] = persistent_draft.prepare(model, model.__dict__["_fast_layers"])
     return True
 
 
 def install_where_it_runs(model) -> bool:
-    """A draft's narrow forwards take the kernels' path where the kernels run (a CUDA GPU,
-    bfloat16); True if so. Elsewhere the model is left as it is."""
+    """A draft's narrow forwards take the one-launch step (spec/persistent_draft.py), else the
+    kernels a sublayer, where the kernels run (a CUDA GPU, bfloat16); True if so. Elsewhere the
+    model is left as it is."""
     weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)
     if weight is None or not dk.available(weight.weight.dtype):
         return False
-    return set_fast(model)
+    return set_fast(model, persistent=True)
