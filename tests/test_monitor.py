@@ -112,7 +112,7 @@ def test_monitor_follows_the_stack_through_a_restart(tiny_llama, draft):
     finally:
         stack.stop()
         mon.proc.send_signal(signal.SIGINT)
-        code = mon.proc.wait(10)
+        code = mon.proc.wait(30)  # 10 s once ran out on a loaded machine (the CI's second core busy)
     assert code == 0
 
 
