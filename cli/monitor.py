@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -195,6 +196,8 @@ def _figures(s: dict) -> Table:
 
 
 def run_monitor(args: argparse.Namespace) -> int:
+    # Ctrl-C stops the dashboard even when a parent started it with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mon = Monitor(args.url)
     key = args.api_key or os.environ.get("VERITY_API_KEY") or None
     console = Console(width=args.width) if args.width else Console()

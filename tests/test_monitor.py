@@ -32,10 +32,10 @@ def _ctrl_c_as_in_a_terminal() -> None:
 class MonitorProcess:
     """`verity monitor` with its stdout piped: it prints one frame per interval."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, preexec=_ctrl_c_as_in_a_terminal):
         self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "monitor", "--url", url, "--interval", "0.2",
                                       "--width", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=_ctrl_c_as_in_a_terminal)
+                                     preexec_fn=preexec)
         self.frames: list[str] = []
         self._current: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -123,6 +123,19 @@ def test_monitor_follows_the_stack_through_a_restart(tiny_llama, draft):
         mon.proc.send_signal(signal.SIGINT)
         code = mon.proc.wait(10)
     assert code == 0
+
+
+def test_ctrl_c_stops_the_monitor_even_when_started_with_sigint_ignored():
+    # nothing listens there: it draws the stack as unreachable; its parent ignores SIGINT (a background job)
+    mon = MonitorProcess(f"http://127.0.0.1:{free_port()}", preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        mon.wait_for(r"verity monitor", "a first frame")
+        mon.proc.send_signal(signal.SIGINT)
+        assert mon.proc.wait(10) == 0
+    finally:
+        if mon.proc.poll() is None:
+            mon.proc.kill()
+            mon.proc.wait()
 
 
 def test_render_without_a_stack():
