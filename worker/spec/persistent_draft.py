@@ -7,6 +7,9 @@ Here one persistent kernel runs all 24 layers for T tokens of one sequence: its 
 one per SM, so all are resident) split each sublayer's rows, then meet at a barrier (an atomic
 counter and generation in a small buffer kept across calls) before the next sublayer reads what
 they wrote. Scratch written in the kernel is read with `__ldcg` (L2, not a block's stale L1).
+Each block stages a projection's input in shared memory once, normed (or gated) and rounded to
+bf16 as mlx-lm's norms round it; read from L2 by every warp for every row, with its gamma, it
+had cost 2-3× the weights' own traffic (the step: 2.8 -> 1.6 ms chained on the H200).
 The head (the tied embedding) is spec/draft_kernels.gemv, a second launch.
 
 Attention layers write their new keys and values into the KV cache's buffer in place (a cache
@@ -28,6 +31,10 @@ from worker.spec import draft_kernels as dk
 BLOCKS = 128  # at most the SMs of an H100 / H200 (132): every block resident, as the barrier needs
 WARPS = {1: 16}  # warps a block by T (16 at T = 2 asks for more registers than an SM has)
 MAX_S = 4096  # longest attention window (its scores sit in shared memory)
+GEMV_UNROLL = 4  # row chunks a warp's loads run ahead by
+GDN_ROWS = 4  # state rows a warp owns in the delta rule
+STAGE_X = True  # a gemv's input staged in shared memory where it fits (False: read from L2; timing probes)
+STAGE_BYTES = 28 * 1024  # ... what it may take there (48 KB in all, the scores' 16 KB among them)
 
 _SOURCE = """
   constexpr int NW = WARPS;  // warps a block
@@ -40,6 +47,9 @@ _SOURCE = """
   __shared__ float inv[T];
   __shared__ float part[NW];
   __shared__ float sc[MAXS];
+  // a gemv's input, staged once a block in bf16 (normed, gated) where it fits: read from L2 by
+  // every warp for every row, with its gamma, it cost 2-3× the weights' traffic
+  __shared__ __align__(16) unsigned short xs[XS ? T * KX : 8];
   const int pos = pos_in[0];
 
   auto grid_sync = [&]() {
@@ -87,21 +97,45 @@ _SOURCE = """
   auto gemv = [&](const unsigned short* w, const float* x, int N, int K, float* dst, int mode,
                   const unsigned short* gamma, bool gated, const float* zsrc, const float* ssq,
                   const unsigned short* gnw, float geps) {
+    if (XS) {
+      __syncthreads();  // the last gemv's warps are done with xs
+      for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
+        const int t = i / K, k = i - t * K;
+        float v = __ldcg(x + i);
+        if (gamma) v *= inv[t] * verity_bf16(gamma, k);
+        if (gated) {
+          const float r = rsqrtf(__ldcg(ssq + t * Hv + k / Dv) / Dv + geps);
+          const float z = __ldcg(zsrc + (size_t)t * P + C + k);
+          v = v * r * verity_bf16(gnw, k % Dv) * (z / (1.f + __expf(-z)));
+        }
+        xs[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      }
+      __syncthreads();
+    }
     for (int n = gw; n < N; n += nwarps) {
       float acc[T], acc2[T];
       for (int t = 0; t < T; ++t) acc[t] = acc2[t] = 0.f;
       const uint4* wv = reinterpret_cast<const uint4*>(w + (size_t)n * K);
       const uint4* wv2 = reinterpret_cast<const uint4*>(w + (size_t)(n + N) * K);
-      #pragma unroll 4
+      #pragma unroll UNROLL
       for (int c = lane; c < K / 8; c += 32) {
         float wf[8], wf2[8], gf[8];
         verity_bf16x8(wv[c], wf);
         if (mode == 1) verity_bf16x8(wv2[c], wf2);
-        if (gamma) verity_bf16x8(reinterpret_cast<const uint4*>(gamma)[c], gf);
+        if (gamma && !XS) verity_bf16x8(reinterpret_cast<const uint4*>(gamma)[c], gf);
         for (int t = 0; t < T; ++t) {
+          float xf[8];
+          if (XS) {
+            verity_bf16x8(reinterpret_cast<const uint4*>(xs + t * K)[c], xf);
+            float a = 0.f, a2 = 0.f;
+            for (int i = 0; i < 8; ++i) { a += wf[i] * xf[i]; if (mode == 1) a2 += wf2[i] * xf[i]; }
+            acc[t] += a;
+            acc2[t] += a2;
+            continue;
+          }
           const float4 a4 = __ldcg(reinterpret_cast<const float4*>(x + (size_t)t * K) + 2 * c);
           const float4 b4 = __ldcg(reinterpret_cast<const float4*>(x + (size_t)t * K) + 2 * c + 1);
-          float xf[8] = {a4.x, a4.y, a4.z, a4.w, b4.x, b4.y, b4.z, b4.w};
+          xf[0] = a4.x; xf[1] = a4.y; xf[2] = a4.z; xf[3] = a4.w; xf[4] = b4.x; xf[5] = b4.y; xf[6] = b4.z; xf[7] = b4.w;
           if (gamma) for (int i = 0; i < 8; ++i) xf[i] *= inv[t] * gf[i];
           if (gated) {
             const int j0 = 8 * c, hv = j0 / Dv;
@@ -149,7 +183,7 @@ _SOURCE = """
         a = bfr(a);
         return bfr(a / (1.f + __expf(-a)));
       };
-      constexpr int RW = 4, NPT = Dk / 32, UNITS = Hv * (Dv / RW);
+      constexpr int NPT = Dk / 32, UNITS = Hv * (Dv / RW);
       for (int u = gw; u < UNITS; u += nwarps) {
         const int hv = u / (Dv / RW), r0 = (u % (Dv / RW)) * RW, hk = hv / (Hv / Hk);
         float s[RW][NPT];
@@ -357,7 +391,8 @@ def prepare(model, layers: list) -> Optional[_Weights]:
         template=[("H", args.hidden_size), ("I", args.intermediate_size), ("L", len(model.layers)), ("FAI", fai),
                   ("Hk", g.num_k_heads), ("Dk", g.head_k_dim), ("Hv", g.num_v_heads), ("Dv", g.head_v_dim),
                   ("NH", a.num_attention_heads), ("NKV", a.num_key_value_heads), ("HD", a.head_dim), ("ROT", rot),
-                  ("MAXS", MAX_S)],
+                  ("MAXS", MAX_S), ("KX", max(args.hidden_size, args.intermediate_size, g.num_v_heads * g.head_v_dim,
+                                              a.num_attention_heads * a.head_dim))],
         attn_layers=len(att),
     )
     mx.eval([v for v in w.__dict__.values() if isinstance(v, mx.array)])
@@ -438,7 +473,9 @@ def layers_step(model, w: _Weights, h: mx.array, cache: list) -> mx.array:
     f32 = mx.float32
     warps = WARPS.get(T, 8)
     outs = _kernel(len(kvs))(
-        inputs=inputs, template=[("OutT", h.dtype), ("T", T), ("WARPS", warps), ("NOSYNC", w.nosync)] + w.template,
+        inputs=inputs, template=[("OutT", h.dtype), ("T", T), ("WARPS", warps), ("NOSYNC", w.nosync),
+                                 ("XS", STAGE_X and T * dict(w.template)["KX"] * 2 <= STAGE_BYTES),
+                                 ("UNROLL", GEMV_UNROLL), ("RW", GDN_ROWS)] + w.template,
         grid=(BLOCKS * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(T, args.hidden_size), conv_in.shape, state_in.shape, (T, args.hidden_size), (T, P),
                        (T, Hv * Dv), (T, Hv), (T, qkv_n), (T, ao_n), (T, ao_n), (T, args.intermediate_size), (1,)],
