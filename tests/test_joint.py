@@ -231,6 +231,33 @@ def test_draft_catch_up_pieces_are_powers_of_two():
         assert sum(p) == n and p == sorted(p, reverse=True) and all(x & (x - 1) == 0 for x in p)
 
 
+def test_a_lagging_draft_catches_up_in_pieces_of_powers_of_two(pairs):
+    """The catch-up after plain cycles feeds the draft those pieces, not one input of the lag's
+    length (on the H200 every new length compiled for 1.5-2 s, and the scheduler, pricing a
+    catch-up so, never drafted again), and ends where one feed of the whole lag does."""
+    from worker.spec import state as st
+    from worker.spec.draft import Drafter
+
+    model = pairs["qwen3_5+qwen3_5"].drafts["perturbed"].model
+    fed = []
+
+    def recording(inputs, cache=None):
+        fed.append(inputs.shape[1])
+        return model(inputs, cache=cache)
+
+    context = list(range(3, 40))
+    pieces, whole = Drafter(recording, cache=st.make_cache(model)), Drafter(model)
+    for d in (pieces, whole):
+        d.prefill(context[:8])
+    fed.clear()
+    pieces.catch_up(context)  # 37 tokens, 8 consumed, the last kept: a lag of 28
+    assert fed == [16, 8, 4] and pieces.consumed == context[:-1]
+    whole.prefill(context[8:-1])
+    nxt = mx.array([[context[-1]]])
+    a, b = recording(nxt, cache=pieces.cache), model(nxt, cache=whole.cache)
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
 def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
     """k = 0 throughout: the draft never consumes the prompt. The first drafting round prefills
     it and is recorded apart as "draft prefill" (not a cost sample). (Exactness with the lazy

@@ -39,8 +39,11 @@ class Drafter:
         """Feeds what the draft lacks of `context` but its last `keep` tokens (before a batched
         draft forward, so one lagging draft does not pad every row to its lag)."""
         lag = context[len(self.consumed): len(context) - keep]
+        done = 0
+        for n in pow2_pieces(len(lag), self.prefill_step):  # few distinct shapes: each new one compiles on a GPU
+            self.prefill(lag[done: done + n])  # (one piece of each lag's length compiled 1.5-2 s a catch-up there)
+            done += n
         if lag:
-            self.prefill(lag)
             self._agreed = len(self.consumed)
 
     def propose(self, context: list[int], k: int, position: int, params: SamplingParams,
