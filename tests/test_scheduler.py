@@ -369,16 +369,30 @@ def test_speculation_switches_off_when_it_does_not_pay():
 
 def test_deeper_drafts_are_tried_past_a_costly_first_depth():
     """Batched verify pads every row to the deepest draft: the first depth costs most, later ones
-    little. Measured only that far, the scheduler still tries one depth deeper (optimistically
+    little. Measured only that far, the scheduler still tries deeper depths (optimistically
     priced), and a measured deeper depth that pays is then chosen on its own figure."""
     rates = [[0.9] * 4 for _ in range(4)]
     measured = {"4,0,0": 0.28, "4,1,1": 0.41, "4,4,1": 0.45}
     d = decide(rates, 4, measured, 16)
-    assert max(d["allocation"]) == 2 and all(c["D"] <= 2 for c in d["candidates"])
+    assert d["allocation"] == [4, 4, 4, 4] and max(c["D"] for c in d["candidates"]) == 4
     deeper = dict(measured, **{"4,8,2": 0.50, "4,12,3": 0.55, "4,16,4": 0.60})
     assert decide(rates, 4, deeper, 16)["allocation"] == [4, 4, 4, 4]
     costly = dict(measured, **{"4,8,2": 1.2})
     assert decide(rates, 4, costly, 16)["budget"] <= 4  # measured: a second depth does not pay
+
+
+def test_a_depth_that_pays_past_depths_that_do_not_is_reached():
+    """The H200's 0.8 B draft on the 9 B target (bench gpu): a plain round 5.8 ms, one of k = 1
+    14.6 ms; at α = 0.95 k = 1 and 2 lose to plain rounds and k = 4 paid 1.33×. A reach of one
+    depth past the deepest measured stopped at k = 2 and adaptive stayed plain (0.71 of k = 4):
+    every depth is a candidate, priced by extrapolation until measured."""
+    table = {"1,0,0": 0.0058, "1,1,1": 0.0146}
+    d = decide([[0.95] * 8], 1, table, 16, draft_step=0.0021)
+    assert d["budget"] >= 4 and [c["D"] for c in d["candidates"]] == list(range(9))
+    by_depth = {c["D"]: c["objective"] for c in d["candidates"]}
+    assert by_depth[1] < by_depth[0] < by_depth[d["budget"]]
+    measured = dict(table, **{"1,8,8": 0.060})  # a deep round measured dear: plain again
+    assert decide([[0.95] * 8], 1, measured, 16, draft_step=0.0021)["budget"] == 0
 
 
 def test_one_slow_first_round_does_not_price_a_cell_out():
@@ -527,13 +541,13 @@ def test_a_depth_past_the_deepest_measured_costs_at_least_a_draft_step():
     (13.7 ms, plain to k = 1) priced k = 4 at 100 ms where the fixed k = 4 engine's rounds cost
     ~86, and α = 0.9 on one request stayed at k = 1 (0.89 of k = 4). With the draft step measured
     per depth, a depth past the deepest measured is priced at no more than a draft step a depth
-    more: k = 4 is tried; where acceptance does not pay for it, it is not."""
+    more: deeper depths are tried; where acceptance does not pay for them, they are not."""
     table = {"1,0,0": 0.0306, "1,1,1": 0.0443, "1,2,2": 0.0682, "1,3,3": 0.0863}
     counts = {"1,0,0": 32, "1,1,1": 32, "1,2,2": 32, "1,3,3": 3}
     high, low = [[0.86] * 8], [[0.6] * 8]
     assert decide(high, 1, table, 16, counts=counts)["budget"] == 1
     d = decide(high, 1, table, 16, counts=counts, draft_step=0.002)
-    assert d["budget"] == 4 and any(c["B"] == 4 and abs(c["cost"] - 0.0883) < 1e-9 for c in d["candidates"])
+    assert d["budget"] >= 4 and any(c["B"] == 4 and abs(c["cost"] - 0.0883) < 1e-9 for c in d["candidates"])
     assert decide(low, 1, table, 16, counts=counts, draft_step=0.002)["budget"] == 1
     cm = CostModel()
     cm.observe((1, 2, 2), 0.070, draft_s=0.016)
@@ -589,11 +603,12 @@ def test_an_unlucky_deep_position_drifts_back_while_drafts_stay_shallow():
 def test_a_depth_past_a_dear_step_is_priced_at_the_cheapest_step_seen():
     """CPU costs are staircases (here 48 → 60 → 93 ms for depths 0, 1, 2; depth 4 measured later
     at 121): past the deepest measured depth the next one is priced at the cheapest step per depth
-    measured so far, so at acceptance 0.9 depth 3 is tried; where every step is dear it is not."""
+    measured so far, so at acceptance 0.9 deeper depths are tried; where every step is dear they
+    are not."""
     table = {"1,0,0": 0.048, "1,1,1": 0.060, "1,2,2": 0.093}
     d = decide([[0.9] * 8], 1, table, 8)
     assert any(c["D"] == 3 and abs(c["cost"] - 0.105) < 1e-9 for c in d["candidates"])
-    assert d["budget"] == 3
+    assert d["budget"] >= 3
     linear = {"1,0,0": 0.048, "1,1,1": 0.080, "1,2,2": 0.112}
     assert decide([[0.9] * 8], 1, linear, 8)["budget"] < 3
 

@@ -457,8 +457,11 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
-    deeper than one past the deepest measured depth, or whose cost cannot be estimated, are
-    skipped; B = 0 is always a candidate. An allocation that drafts for a request whose draft is
+    whose cost cannot be estimated are skipped; B = 0 is always a candidate. A depth however far
+    past the deepest measured is a candidate (`estimate` extrapolates, optimistically, until its
+    own rounds price it): where the next depth does not pay and a deeper one does, a reach of one
+    depth past the deepest measured never got there (a 0.8 B draft on the H200 at α = 0.95: k = 1
+    and 2 lose to plain rounds, k = 4 pays 1.33×; adaptive stayed plain, 0.71 of k = 4). An allocation that drafts for a request whose draft is
     `behind` (it must first catch up on the prompt or on the cycles it sat out) pays that once:
     `switch_s` spread over SWITCH_HORIZON rounds is added to its cost, so noise in a near-tie
     does not start drafting that costs more to start than it gains (`behind` also marks a request
@@ -475,15 +478,12 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     ranked = rank(surv)
     candidates = []
     gain = float(n_requests)
-    reach = _reach(table, n_requests)
     for b in range(0, min(b_max, len(ranked)) + 1):
         if b:
             r, j = ranked[b - 1]
             gain += surv[r][j - 1]
         lengths = allocate(surv, b)
         d = max(lengths, default=0)
-        if d > reach:
-            break  # allocations only deepen as B grows
         cost = estimate(table, n_requests, b, d, counts, draft_step)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
@@ -539,7 +539,8 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
 
 def _could_pay(table: dict[str, float], n: int, joint: int, counts: dict[str, int] | None, plain: float) -> bool:
     """Whether drafting d tokens for each of `joint` requests, all accepted, beats plain rounds
-    at some depth d within reach."""
+    at some depth d within reach (one past the deepest measured: the extrapolation past it is
+    optimistic enough to make any draft look worth a probe)."""
     for d in range(1, _reach(table, n) + 1):
         cost = estimate(table, n, joint * d, d, counts)
         if cost is not None and (n + joint * d) / cost > n / plain:
