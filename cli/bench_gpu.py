@@ -83,6 +83,8 @@ def run_gpu(args: argparse.Namespace) -> int:
     vocab = tcfg["vocab_size"]
     forced = not args.small and not args.reference_acceptance  # random bf16 weights at full size: see ForcedDecoder
     fig["acceptance_by"] = "the draft's intent (forced)" if forced else "token comparison"
+    fig["warm_joint_s"] = gb.warm_joint_shapes(target, draft, len(prompt) + args.tokens)
+    progress(f"every joint shape compiled in {fig['warm_joint_s']:.1f} s")
     rows, fig["joint"] = [], []
     for alpha in args.alphas:
         for recovery in ("fast", "replay"):
@@ -100,7 +102,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         + "; recorded: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_recorded_ms"].items()),
         "draft step ms " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_step_ms"].items())
         + "; chained 4 on the device: " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_chain_step_ms"].items())
-        + f"; the joint runs' draft: {fig['draft_mode']}",
+        + f"; the joint runs' draft: {fig['draft_mode']}; every joint shape compiled first ({fig['warm_joint_s']:.0f} s)",
         _fast_line(fig),
         "×plain: median over the repeats of the run's tokens/s ÷ the mean of the plain runs just before and after it; "
         "adaptive ÷ best fixed k (fast, each paired so): " + ", ".join(f"α={j['alpha']} {j['vs_best_fixed']:.2f}" for j in fig["joint"]

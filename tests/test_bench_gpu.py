@@ -18,6 +18,7 @@ def test_bench_gpu_small(tmp_path):
         modes = {"eager", "fused", "static"} | ({"kernels"} if figure != "plain_tps_by_mode" else set())
         assert set(fig[figure]) == modes and min(fig[figure].values()) > 0
     assert fig["mode"] == "static" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
+    assert fig["warm_joint_s"] > 0  # every shape a joint run may meet compiled before the joint rows
     assert fig["draft_mode"] == "kernels"  # the joint runs' draft takes the kernels' path (their ops on the CPU)
     check = fig["fast_check"]
     assert not check["kernels_ran"] and check["logits_1_ops_vs_mlx_lm"] <= 1e-4 * check["logits_1_max_abs"]

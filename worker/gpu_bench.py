@@ -145,6 +145,26 @@ def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, recor
     return median_time(trimmed, reps)
 
 
+def warm_joint_shapes(target, draft, longest: int) -> float:
+    """Compiles every shape a joint run may meet; returns the seconds it took. A new shape compiles
+    for seconds on the device (the target's static trace per verify width, the one-launch draft
+    step per width, an eager draft forward per input length), and an adaptive run, which may draft
+    any depth and catch its draft up on any lag, met them in its timed runs (two runs of 20 tok/s
+    where others read 130). The target: verifies of 1 to POSITIONS + 1 tokens, recorded or not;
+    the draft: forwards of 1 to MAX_T tokens and its catch-up pieces (powers of two up to `longest`)."""
+    from worker.scheduler import POSITIONS
+    from worker.spec.draft_kernels import MAX_T
+
+    t0 = time.perf_counter()
+    for n in range(1, POSITIONS + 2):
+        for record in (False, True):
+            forward_cost(target, n, reps=1, record=record)
+    pieces = [1 << i for i in range(max(1, longest).bit_length())]
+    for n in sorted(set(range(1, MAX_T + 1)) | set(pieces)):
+        forward_cost(draft, n, reps=1)
+    return time.perf_counter() - t0
+
+
 def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
     """The Gated-DeltaNet kernel (spec/gdn_kernel.py) against mlx-lm's per-token ops on the
     model's first linear layer's shapes, random inputs: largest differences of the outputs and of
