@@ -19,6 +19,6 @@ def run(args) -> int:
     diffs = replay(lines)
     for d in diffs:
         print(d)
-    decisions = sum(1 for line in lines if line.strip())
+    decisions = sum(1 for line in lines if '"n_requests"' in line)  # not held rounds, round times or cycles
     print(f"{decisions} decisions replayed, {len(diffs)} differences", file=sys.stderr)
     return 1 if diffs else 0
