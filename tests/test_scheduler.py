@@ -501,7 +501,7 @@ def test_four_concurrent_joint_requests_equal_their_baselines(pair_name, llama_p
     base = _run(Engine(pair.target, EngineConfig(max_active=1)), {k: v for k, v in reqs.items() if k.startswith("base")})
     for i in range(len(texts)):
         assert joint[f"joint{i}"] == base[f"baseline{i}"]
-    decisions = [rec for rec in map(json.loads, log.read_text().splitlines()) if "observed" not in rec and "cycle" not in rec]
+    decisions = [rec for rec in map(json.loads, log.read_text().splitlines()) if "observed" not in rec]
     assert len(decisions) > 10 and any(rec["budget"] > 0 for rec in decisions)
     assert not any(rec.get("held") for rec in decisions)
     assert any(len(rec["requests"]) == 4 for rec in decisions)
@@ -524,9 +524,6 @@ def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_pat
     drafting = [rec for rec in observed if rec["shape"][2]]
     assert drafting and all(0 < rec["draft_s"] < rec["observed"] for rec in drafting)  # the engine times its drafting
     assert all(rec["draft_s"] == 0 for rec in observed if not rec["shape"][2])
-    cycles = [rec for rec in map(json.loads, lines) if "cycle" in rec]  # what the estimates learnt from
-    assert {rec["cycle"] for rec in cycles} == {"r0", "r1"} and all(0 <= rec["n"] <= rec["k"] for rec in cycles)
-    assert sum(rec["k"] for rec in cycles) == engine.totals.joint.drafted
     assert engine.scheduler.cost.draft_step(2) or engine.scheduler.cost.draft_step(1)
     i = max(i for i, line in enumerate(lines) if any(json.loads(line).get("acceptance", [])[:1]))  # the last that could draft
     rec = json.loads(lines[i])
@@ -680,14 +677,14 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     for _ in range(5):
         slow.plan(["a"], 1)
     slow.flush_log()  # records are held back and written together (the engine flushes when idle)
-    assert len([x for x in (tmp_path / "slow.jsonl").read_text().splitlines() if "n_requests" in x]) == 5
+    assert len([x for x in (tmp_path / "slow.jsonl").read_text().splitlines() if "held" not in x]) == 5
     log = tmp_path / "fast.jsonl"
     fast = sched(1e-6, str(log))
     for _ in range(MAX_HOLD + 2):
         assert fast.plan(["a"], 1) == [0]
     fast.plan(["a", "b"], 2)  # a request joined: decide now
     fast.flush_log()
-    recs = [json.loads(x) for x in log.read_text().splitlines() if "cycle" not in x]
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r.get("held", False) for r in recs] == [False] + [True] * MAX_HOLD + [False, False]
     assert all(r["allocation"] == [0] for r in recs[:-1]) and recs[-1]["requests"] == ["a", "b"]
     r = subprocess.run([sys.executable, "-m", "cli.main", "replay", str(log)], capture_output=True, text=True)

@@ -666,7 +666,7 @@ class Scheduler:
         decide_s = time.perf_counter() - t0
         if self._log:
             self._record({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
-                                        "b_max": self.b_max, "probe": probe, "acceptance": rates, "shared": shared,
+                                        "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
                           "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
                           "draft_step_s": draft_step, **d})
@@ -709,8 +709,6 @@ class Scheduler:
             self.overall.fade()
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
-        if k and self._log:  # what the estimates learnt from, for reading a log (replay skips it)
-            self._record({"round": self.rounds, "cycle": request_id, "k": k, "n": n})
         if k:
             self._acceptance(request_id).observe(k, n)
             self.overall.observe(k, n)
@@ -774,8 +772,8 @@ def replay(lines: Sequence[str]) -> list[str]:
         if not line.strip():
             continue
         rec = json.loads(line)
-        if rec.get("held") or "observed" in rec or "cycle" in rec:
-            continue  # a round the previous decision governed (Scheduler._hold_rounds), a round's time, a cycle's acceptance
+        if rec.get("held") or "observed" in rec:
+            continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
                      rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
                      rec.get("explore_plain", False), rec.get("draft_step_s"))
