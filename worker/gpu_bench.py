@@ -294,9 +294,9 @@ class JointRun:
 class ForcedDrafter(ControlledDrafter):
     """The controlled draft, remembering which of its proposals it meant to be right."""
 
-    def propose(self, context, k, position, params, key_fn):
+    def propose_lazily(self, context, k, position, params, key_fn):
         self.meant_right: list[bool] = []
-        return super().propose(context, k, position, params, key_fn)
+        return super().propose_lazily(context, k, position, params, key_fn)
 
     def pick(self, position):
         tok = super().pick(position)
@@ -312,10 +312,10 @@ class ForcedDecoder(JointDecoder):
     fixed reference would then be wrong ever after, and α would not be what is measured. The
     costs (draft steps, verify width, recovery of n accepted) are those of real acceptance."""
 
-    def decide(self, drafted, qs, logits):
+    def decide(self, drafted, qs, logits, choices=None):
         flags = self.drafter.meant_right[: len(drafted)] if drafted else []
         n = next((i for i, right in enumerate(flags) if not right), len(flags))
-        return n, mx.argmax(logits[n]).item()
+        return n, (mx.argmax(logits[n]) if choices is None else choices[n]).item()
 
 
 def joint_decode(*args, **kwargs) -> JointRun:

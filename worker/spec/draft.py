@@ -55,6 +55,16 @@ class Drafter:
         """
         if k == 0:
             return [], []
+        tokens, probs = self.propose_lazily(context, k, position, params, key_fn)
+        drafted = tokens.tolist()
+        self.consumed_through(context, drafted)
+        return drafted, probs
+
+    def propose_lazily(self, context: list[int], k: int, position: int, params: SamplingParams,
+                       key_fn: Callable[[], mx.array]) -> tuple[mx.array, list[Optional[mx.array]]]:
+        """`propose` without waiting for the proposals: an array of k tokens, still being computed,
+        so a verify forward can be queued behind them (on a GPU the host builds it while the draft
+        runs). The caller then reads them and calls `consumed_through(context, drafted)`."""
         feed = context[len(self.consumed):]
         base = len(self.consumed)
         self._base = (base, st.checkpoint(self.cache)) if self.recovery == "replay" else None
@@ -73,9 +83,7 @@ class Drafter:
             mx.async_eval(x)  # the device runs this step while the host builds the next
             tokens.append(x)
             probs.append(q)
-        drafted = mx.concatenate(tokens).tolist()
-        self.consumed_through(context, drafted)
-        return drafted, probs
+        return mx.concatenate(tokens), probs
 
     def consumed_through(self, context: list[int], drafted: list[int]) -> None:
         """After a proposal: the draft holds `context` and all but the last proposal. In place:
@@ -119,7 +127,7 @@ class Drafter:
             st.restore(self.cache, ck)
             if keep > base:
                 self.model(mx.array(target_tokens[base:keep])[None], cache=self.cache)
-        st.eval_state(self.cache)
+        st.eval_recovered(self.cache)
         del self.consumed[keep:]
 
 

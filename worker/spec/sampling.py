@@ -28,9 +28,10 @@ def token_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(logprobs.astype(mx.float32) / params.temperature, axis=-1)
 
 
-def accept_greedy(drafted: list[int], target_logits: mx.array) -> tuple[int, int]:
-    """(n accepted, the target's own next token) for verify logits of [y, d1..dk]."""
-    choices = mx.argmax(target_logits, axis=-1).tolist()
+def accept_greedy(drafted: list[int], target_logits: mx.array, choices: Optional[mx.array] = None) -> tuple[int, int]:
+    """(n accepted, the target's own next token) for verify logits of [y, d1..dk]; `choices`:
+    their argmax, where the caller computed it already."""
+    choices = (mx.argmax(target_logits, axis=-1) if choices is None else choices).tolist()
     n = 0
     while n < len(drafted) and drafted[n] == choices[n]:
         n += 1

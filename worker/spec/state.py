@@ -208,5 +208,14 @@ def eval_state(cache: list) -> None:
     mx.eval(out)
 
 
+def eval_recovered(cache: list) -> None:
+    """After a recovery: on the CPU, evaluates the recovered state at once, so recovery time is
+    what it costs (MLX's CPU evaluation waits for the work either way); on a GPU leaves it lazy,
+    for the next forward to compute: an evaluation there waits for the device, which then idles
+    while the host builds the next cycle's graph."""
+    if mx.default_device() == mx.cpu:
+        eval_state(cache)
+
+
 def state_nbytes(cache: list) -> int:
     return sum(a.nbytes for a in cache_arrays(cache))
