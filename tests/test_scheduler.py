@@ -295,7 +295,7 @@ def test_plain_rounds_are_measured_again_while_drafting():
     d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
     assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
     assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
-    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 100  # (0.086 + 5 × 1.2 ms) / (2% of 0.0461)
+    assert plain_probe_interval(d, 1, restart=0.16, discard=0.006) == 187  # (0.166 + 5 × 1.2 ms) / (2% of 0.0461)
     assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
     assert decide([[0.9]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [1]  # a 1.5× lead
     assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]
@@ -591,10 +591,10 @@ def test_an_unlucky_deep_position_drifts_back_while_drafts_stay_shallow():
     returns to what position 1 shows and a deeper draft gets tried again."""
     s = Scheduler()
     for _ in range(2):
-        s.observe_cycle("r", 2, 1)  # position 1 accepted, position 2 rejected
+        _drafting_round(s, "r", 2, 1)  # position 1 accepted, position 2 rejected
     assert s.shared_rates()[1] < 0.6
     for _ in range(60):
-        s.observe_cycle("r", 1, 1)  # depth 1 only, always accepted
+        _drafting_round(s, "r", 1, 1)  # depth 1 only, always accepted
     shared = s.shared_rates()
     assert shared[0] > 0.9 and shared[1] > 0.85
     assert s.acceptance["r"].rates(shared)[1] > 0.85
@@ -728,9 +728,10 @@ def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_no
     where without the short memory it would still be under 0.6; at a steady 9 in 10 (one
     rejection, in turn) it never forgets."""
     def run(detect: bool, pattern, rounds: int) -> list[float]:
-        overall = scheduler.Acceptance(scheduler.POSITIONS, detect_change=detect)
+        overall = scheduler.Acceptance(scheduler.POSITIONS, detect_change=detect, per_round=True)
         out = []
         for i in range(rounds):
+            overall.fade(recent=False)  # a round's decay, as Scheduler.plan applies it
             for r in range(4):
                 overall.observe(1, pattern(i, r))
             out.append(overall.rates([0.5] * scheduler.POSITIONS, scheduler.PRIOR_WEIGHT)[0])
@@ -745,6 +746,31 @@ def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_no
     assert with_steady == without_steady
 
 
+def _drafting_round(s: Scheduler, rid: str, k: int, n: int) -> None:
+    """A round in which request rid drafted k and n were accepted, as Scheduler.plan and the
+    engine report it: the round's decay of the server-wide estimate, then the cycle."""
+    s._fade([rid], [k])
+    s.observe_cycle(rid, k, n)
+
+
+def test_the_server_wide_estimate_remembers_rounds_not_cycles():
+    """Four requests a round give the server-wide estimate four cycles a round, and it decays by
+    rounds: it remembers as many rounds as with one request, four times the cycles (decayed per
+    cycle it remembered ~5 rounds, and near break-even its noise decided whether to draft)."""
+    def memory(n: int) -> float:
+        s = Scheduler()
+        ids = [f"r{i}" for i in range(n)]
+        for i in range(200):
+            s.plan(ids, n)
+            for j, rid in enumerate(ids):
+                s.observe_cycle(rid, 1, int((i + j) % 3 == 0))  # a steady 1 in 3
+        return s.overall.tried[0]
+
+    one, four = memory(1), memory(4)
+    assert one == pytest.approx(1 / (1 - scheduler.DECAY), rel=0.05)
+    assert four == pytest.approx(4 * one, rel=0.05)
+
+
 def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request():
     """After α = 0.9 text (drafts of 8, nearly all accepted) position 1 starts failing, and the
     deeper positions, now seldom tried, would keep the old text's rates (the engine drafted 6-8
@@ -753,20 +779,20 @@ def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request(
     false alarms made α = 0.9 ×4 allocations uneven), and so does a rise."""
     s = Scheduler()
     for i in range(20):
-        s.observe_cycle("r", 8, 8 if i % 10 else 2)
+        _drafting_round(s, "r", 8, 8 if i % 10 else 2)
     deep_before = list(s.overall.tried[1:])
     for _ in range(3):
-        s.observe_cycle("r", 8, 0)
+        _drafting_round(s, "r", 8, 0)
     assert s.overall.tried[0] < 4 and max(s.overall.tried[1:]) < 2 < min(deep_before)
     assert min(s.acceptance["r"].tried[1:]) > 0.8 * min(deep_before)
     shared_deep = s.shared_rates()[1]
-    s.observe_cycle("r", 8, 1)  # the next cycle reaching position 2 fails there
+    _drafting_round(s, "r", 8, 1)  # the next cycle reaching position 2 fails there
     assert s.shared_rates()[1] < shared_deep - 0.25
     rising = Scheduler()  # after a rise, deeper positions are tried often again: nothing to forget
     for i in range(20):
-        rising.observe_cycle("r", 8, 0 if i % 10 else 8)
+        _drafting_round(rising, "r", 8, 0 if i % 10 else 8)
     for _ in range(5):
-        rising.observe_cycle("r", 8, 8)
+        _drafting_round(rising, "r", 8, 8)
     assert rising.overall.tried[0] < 4 and rising.overall.tried[4] > 4
 
 

@@ -76,19 +76,20 @@ class Acceptance:
     """
 
     def __init__(self, max_positions: int, decay: float = DECAY, detect_change: bool = True,
-                 forget_deeper: bool = False):
+                 forget_deeper: bool = False, per_round: bool = False):
         self.accepted = [0.0] * max_positions
         self.tried = [0.0] * max_positions
         self.recent_accepted = [0.0] * max_positions
         self.recent_tried = [0.0] * max_positions
         self.decay = decay
         self.detect_change, self.forget_deeper = detect_change, forget_deeper
+        self.per_round = per_round  # counts decay once a round (`fade`), however many cycles it observes
 
     def observe(self, k: int, n: int) -> None:
         """A cycle drafted k and accepted the first n: positions 1..min(n+1, k) were tried."""
         tried = min(n + 1, k)
         for j in range(len(self.tried)):
-            decay = self.decay if j < tried else min(self.decay, DECAY)  # untried: fades as fast at every level
+            decay = 1.0 if self.per_round else self.decay if j < tried else min(self.decay, DECAY)  # untried: fades as fast at every level
             self.accepted[j] = self.accepted[j] * decay + (j < n)
             self.tried[j] = self.tried[j] * decay + (j < tried)
             self.recent_accepted[j] = self.recent_accepted[j] * RECENT_DECAY + (j < n)
@@ -115,12 +116,14 @@ class Acceptance:
                 if deeper:
                     return
 
-    def fade(self) -> None:
-        """A round without drafts: what was seen weighs less, nothing new is added."""
+    def fade(self, recent: bool = True) -> None:
+        """A round without drafts (or, `per_round`, any round): what was seen weighs less; `recent`:
+        the short memory too."""
         self.accepted = [a * self.decay for a in self.accepted]
         self.tried = [t * self.decay for t in self.tried]
-        self.recent_accepted = [a * RECENT_DECAY for a in self.recent_accepted]
-        self.recent_tried = [t * RECENT_DECAY for t in self.recent_tried]
+        if recent:
+            self.recent_accepted = [a * RECENT_DECAY for a in self.recent_accepted]
+            self.recent_tried = [t * RECENT_DECAY for t in self.recent_tried]
 
     def rates(self, prior: Sequence[float] | None = None, weight: float = SHARED_WEIGHT) -> list[float]:
         """Estimates per position; `prior`: the level above's, worth `weight` observations (none:
@@ -157,8 +160,11 @@ PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under th
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
-PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
-                # figure from one early round kept one request drafting at α = 0.3 where it lost 8%
+PLAIN_GAP = 128  # drafting rounds after which plain rounds are measured again, at the least (a plain
+                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%;
+                 # FEW_PLAIN_GAP covers that case now): on one request an exploration is 5 plain rounds
+                 # (the pipeline's restart), and every 64 rounds it cost α = 0.6 and the α schedule 2%
+                 # of throughput in simulation (worker/scheduler_sim.py), at 128 half that
 FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds: one engine's
                    # first plain round (38 ms against 31 steady) kept α = 0.3 drafting 100 rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
@@ -584,7 +590,10 @@ class Scheduler:
         # every request's cycles: each request's prior. Only here does a change forget the deeper
         # positions too: each request's own false alarms (two rejections at α = 0.9) then reset its
         # deeper positions, and α = 0.9 ×4 drafted unevenly ((3, 4, 3, 4)), 0.91 of k = 4
-        self.overall = Acceptance(POSITIONS, forget_deeper=True)
+        # it decays by rounds, not by cycles: with 4 requests, decayed per cycle, it remembered ~5
+        # rounds, and its position-1 reading at α = 0.3 wandered 0.14-0.33 across the point where
+        # k = 1 pays (0.21; realised 0.27), which decided the row's near-tie by noise
+        self.overall = Acceptance(POSITIONS, forget_deeper=True, per_round=True)
         self.longrun = Acceptance(POSITIONS, LONG_DECAY, detect_change=False)  # the same over the long run: overall's prior
         self.rounds = 0
         self.rounds_without_draft = 0
@@ -705,8 +714,8 @@ class Scheduler:
         for rid, k in zip(joint_ids, lengths):
             if not k:
                 self._acceptance(rid).fade()
-        if joint_ids and not any(lengths):
-            self.overall.fade()
+        if joint_ids and (self.overall.per_round or not any(lengths)):
+            self.overall.fade(recent=not any(lengths))
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         if k:
