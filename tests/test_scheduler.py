@@ -17,6 +17,8 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
+from worker import scheduler_sim as sim
+from worker import scheduler_sim as sim
 from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
@@ -838,3 +840,15 @@ def test_drafting_tells_what_the_last_decision_with_room_chose():
         s.observe_cycle("b", 1, 0)  # every draft rejected: plain pays
     s.forget("a")
     assert s.plan(["b"], 1, room=[8]) == [0] and not s.drafting
+
+
+def test_the_simulator_prices_budgets_by_its_table_and_adaptive_follows_the_best():
+    """worker/scheduler_sim.py, the quick check of a scheduler change: where drafts are nearly
+    always right k = 4 beats plain rounds by its table's margin and adaptive keeps up with it; where
+    they are always wrong, k = 1 loses and adaptive stays with plain rounds."""
+    easy = sim.Scenario("α=0.9 ×1", lambda p, n: 0.9, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)
+    o = sim.compare(easy, 0)
+    assert o["k=4"] > 1.3 * o["k=0"] and o["adaptive"] > 0.9 * max(o.values())
+    hopeless = sim.Scenario("α=0 ×1", lambda p, n: 0.0, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)
+    o = sim.compare(hopeless, 0)
+    assert o["k=1"] < 0.8 * o["k=0"] and o["adaptive"] > 0.95 * o["k=0"]

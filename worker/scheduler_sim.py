@@ -1,0 +1,163 @@
+"""A simulator of the adaptive draft budget, for trying a scheduler change in seconds before a
+57-minute `verity bench sched` run:  python -m worker.scheduler_sim [--seeds N]
+
+It drives worker.scheduler.Scheduler as the engine does (plan, one cycle a request, the round's
+time) with synthetic rounds. A round costs the median that a table measured on this project's
+CPU gives for its requests and deepest draft (from `verity bench sched --decision-log`), times
+per-round noise and the machine's slow spells; the controlled draft's rule decides acceptance
+(a position's draft is right with probability α, seeded by position, so every configuration meets
+the same hard tokens); one request's plain rounds are pipelined (the first after drafting computes
+a second forward, the next few warm up) and a draft that sat out catches up. What it leaves out:
+costs that drift unevenly between cells (a slow spell of plain rounds alone), which is what the
+scheduler's explorations hedge against; so a change that only explores less always looks better
+here than it is. Pure Python, no MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+from worker import scheduler as S
+
+# medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
+EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
+EMBEDDED_X4 = {0: 89.7, 1: 108.4, 2: 135.5, 3: 162.0, 4: 191.5, 5: 203.0, 6: 225.0, 7: 245.0, 8: 265.0}
+BATCH_SHARE = {1: 0.35, 2: 0.65, 3: 0.86, 4: 1.0}  # a batch of n costs this share of 4's (the tail of a run)
+PREFILL_S = 0.19  # a run's prefill, the same for every configuration
+CATCH_UP_S, TAKEN_S, WARM_UP_S = 0.006, 0.003, 0.004  # switching costs, seconds
+
+
+@dataclass
+class Scenario:
+    name: str
+    alpha: Callable[[int, int], float]  # (output position, tokens a request) -> chance a draft is right
+    requests: int
+    costs: dict  # deepest draft -> ms, with `requests` requests
+    tokens: int = 48
+    runs: int = 16
+    warm_runs: int = 2
+
+
+class Spells:
+    """The machine's pace: a factor that changes every 5-30 simulated seconds."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.factor, self.until = rng, 1.0, 0.0
+
+    def at(self, now: float) -> float:
+        if now >= self.until:
+            self.factor = self.rng.choice([0.9, 1.0, 1.0, 1.1, 1.2])
+            self.until = now + self.rng.uniform(5, 30)
+        return self.factor
+
+
+def _round_ms(sc: Scenario, n: int, depth: int) -> float:
+    if n == sc.requests or sc.requests == 1:
+        return sc.costs[depth]
+    return EMBEDDED_X1[depth] if n == 1 else sc.costs[depth] * BATCH_SHARE[n]
+
+
+def _hits(seed: int, position: int, k: int, alpha: float) -> int:
+    n = 0
+    while n < k and random.Random(seed * 1_000_003 + position + n).random() < alpha:
+        n += 1
+    return n
+
+
+def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells, clock: list) -> tuple[int, float]:
+    """`runs` runs of sc.requests requests through the scheduler: (tokens, seconds)."""
+    tokens, seconds = 0, 0.0
+    pipelined = sc.requests == 1
+    for run in range(runs):
+        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=10**6, ahead=False, plain_run=0) for i in range(sc.requests)]
+        while reqs:
+            room = [max(0, sc.tokens - r["pos"] - 1 - r["ahead"]) for r in reqs]
+            plan = sched.plan([r["id"] for r in reqs], len(reqs), [r["lag"] > 4 for r in reqs], room,
+                              [r["ahead"] for r in reqs], pipelined=pipelined)
+            pace = spells.at(clock[0]) * math.exp(rng.gauss(0, 0.05))
+            base = _round_ms(sc, len(reqs), max(plan)) / 1000 * pace
+            secs, apart, reason, draft_s = base, {}, "", 0.0
+            for r, k in zip(reqs, plan):
+                if k:
+                    got = int(r["ahead"])  # a look-ahead's token is taken as the cycle's first
+                    if r["lag"] > 4:
+                        apart["draft catch-up"] = CATCH_UP_S * pace
+                    if r["ahead"]:
+                        apart["look-ahead taken"] = TAKEN_S * pace
+                    n = _hits(r["seed"], r["pos"] + got, k, sc.alpha(r["pos"] + got, sc.tokens))
+                    got += n + 1
+                    r.update(ahead=False, plain_run=0, lag=1 if n == k else 2)
+                    draft_s += k * 0.004 * pace
+                    sched.observe_cycle(r["id"], k, n)
+                else:
+                    got, r["lag"] = 1, r["lag"] + 1
+                    if pipelined:
+                        if not r["ahead"]:
+                            reason, secs = "plain pipeline start", secs + base
+                        elif r["plain_run"] < S.PIPELINE_WARM_ROUNDS:
+                            reason, secs = "plain pipeline warm-up", secs + WARM_UP_S * pace
+                        r["ahead"], r["plain_run"] = room[0] > 0, r["plain_run"] + 1
+                got = min(got, sc.tokens - r["pos"])
+                r["pos"] += got
+                tokens += got
+            secs_all = secs + sum(apart.values())
+            seconds += secs_all
+            clock[0] += secs_all
+            sched.observe_round(secs, not reason, reason, apart, draft_s)
+            for r in [r for r in reqs if r["pos"] >= sc.tokens]:
+                sched.forget(r["id"])
+            reqs = [r for r in reqs if r["pos"] < sc.tokens]
+        seconds += PREFILL_S
+        clock[0] += PREFILL_S
+    return tokens, seconds
+
+
+def compare(sc: Scenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
+    """Tokens/s of each fixed k and of adaptive, each a fresh scheduler meeting the same draws."""
+    out = {}
+    for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
+        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1)), [0.0]
+        sched = S.Scheduler(fixed=fixed)
+        simulate(sched, sc, sc.warm_runs, rng, spells, clock)
+        tokens, seconds = simulate(sched, sc, sc.runs, rng, spells, clock)
+        out[name] = tokens / seconds
+    return out
+
+
+def bench_rows() -> list[Scenario]:
+    """The embedded rows of `verity bench sched`."""
+    def const(a):
+        return lambda p, n: a
+
+    def schedule(p, n):
+        return (0.9, 0.2, 0.9)[min(2, 3 * p // n)]
+
+    rows = []
+    for n, costs, runs in ((1, EMBEDDED_X1, 16), (4, EMBEDDED_X4, 4)):
+        for a in (0.3, 0.6, 0.9):
+            rows.append(Scenario(f"α={a} ×{n}", const(a), n, costs, runs=runs))
+        rows.append(Scenario(f"α 0.9→0.2→0.9 ×{n}", schedule, n, costs, runs=runs))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=8)
+    args = p.parse_args(argv)
+    for sc in bench_rows():
+        ratios = []
+        for seed in range(args.seeds):
+            o = compare(sc, seed)
+            ratios.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))
+        print(f"{sc.name:18s} adaptive ÷ best fixed k (k = 0 included): median {statistics.median(ratios):.3f}, "
+              f"least {min(ratios):.3f} over {args.seeds} seeds")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
