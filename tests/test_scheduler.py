@@ -297,7 +297,7 @@ def test_plain_rounds_are_measured_again_while_drafting():
     d = decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8)
     assert d["budget"] == 1 and d["candidates"][1]["gain"] == pytest.approx(1.3)
     assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
-    assert plain_probe_interval(d, 1, restart=0.16, discard=0.006) == 187  # (0.166 + 5 × 1.2 ms) / (2% of 0.0461)
+    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 100  # (0.086 + 5 × 1.2 ms) / (2% of 0.0461)
     assert decide([[0.3]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [0]
     assert decide([[0.9]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, explore_plain=True)["allocation"] == [1]  # a 1.5× lead
     assert decide([[0.05]], 1, {"1,0,0": 0.0367, "1,1,1": 0.0461}, 8, probe=True, explore_plain=True)["allocation"] == [1]

@@ -160,11 +160,12 @@ PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under th
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
-PLAIN_GAP = 128  # drafting rounds after which plain rounds are measured again, at the least (a plain
-                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%;
-                 # FEW_PLAIN_GAP covers that case now): on one request an exploration is 5 plain rounds
-                 # (the pipeline's restart), and every 64 rounds it cost α = 0.6 and the α schedule 2%
-                 # of throughput in simulation (worker/scheduler_sim.py), at 128 half that
+PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
+                # figure from one early round kept one request drafting at α = 0.3 where it lost 8%. (On
+                # one request an exploration is 5 plain rounds, and in simulation every 64 cost α = 0.6
+                # 2%; at 128 a whole run's α = 0.6 ×1 priced k = 1 at 66 ms, measured 45, from a stale
+                # plain figure for 120 rounds and drafted k = 2-4: 0.83 of k = 1. The simulator's costs
+                # keep their ratios, which is what hid it.)
 FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds: one engine's
                    # first plain round (38 ms against 31 steady) kept α = 0.3 drafting 100 rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
