@@ -57,8 +57,9 @@ class Acceptance:
     Three levels. The long-run estimate (every cycle the server ran, decaying at LONG_DECAY)
     takes as prior mean the previous position's estimate (position 1: 0.5): an untried deeper
     position is taken to be like the one before it, so a draft that is good at shallow positions
-    gets tried deeper, and a bad one does not. The server-wide estimate (DECAY: it follows the
-    text as it changes) takes the long-run one as prior, and a request's own estimate takes the
+    gets tried deeper, and a bad one does not. The server-wide estimate (DECAY a round, however
+    many requests' cycles the round observed: it follows the text as it changes) takes the long-run
+    one as prior, and a request's own estimate takes the
     server-wide one as prior (SHARED_WEIGHT observations): it starts from what the server has seen
     and goes its own way as its text shows, but a few unlucky cycles do not make it look worse
     than the draft is. For the same reason counts fade without being added to where nothing was
