@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 
 from protocol import messages as m
+from worker import blas_threads
 from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
 from worker.spec.draft import Drafter
@@ -215,6 +216,8 @@ class Engine:
         events: list = []
         self._apply_cancels(events)
         with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
+            if self._waiting and len(self._active) < self.config.max_active:
+                blas_threads.use(prefill=True)  # admission prefills (with reuse, up to the prompt's boundaries)
             self._admit(events)
             self._round(events)
         if not self._active:  # idle: the decision log's held-back records go out now
@@ -240,6 +243,8 @@ class Engine:
         if not reason and not batching and any(r.decoder.last and not r.decoder.budget for r in joint):
             reason = "last plain round"  # it computes nothing ahead: only the wait for the token computed before
         complete = not reason
+        blas_threads.use(prefill=reason == "prefill or error" or any(
+            k and d.draft_lacks_prompt for d, k in zip(decoders, plan)))  # a draft's first cycle prefills it
         for d in decoders:
             d.take_apart()  # what a snapshot's settle paid since is no part of this round
         t0 = time.perf_counter()

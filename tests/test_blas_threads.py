@@ -1,0 +1,61 @@
+"""The BLAS's threads by phase: every core for rounds that prefill, one fewer for decode rounds."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from protocol import messages as m
+from worker import blas_threads
+from worker.engine import Engine, EngineConfig
+
+
+def blas_threads_now() -> int:
+    """What the loaded BLAS itself reports it will use."""
+    process = ctypes.CDLL(None)
+    for name in ("MKL_Get_Max_Threads", "openblas_get_num_threads"):
+        f = getattr(process, name, None)
+        if f is not None:
+            return f()
+    pytest.skip("no BLAS with a thread setting is loaded (macOS's Accelerate): nothing to set")
+
+
+@pytest.fixture
+def phases(monkeypatch):
+    """Distinct counts for the two phases whatever this machine's cores, set through the real BLAS."""
+    setter = blas_threads._setter()
+    if setter is None:
+        pytest.skip("no BLAS thread setter (macOS's Accelerate), or a thread count the user set")
+    monkeypatch.setattr(blas_threads, "_set", setter)
+    monkeypatch.setattr(blas_threads, "PREFILL_THREADS", 2)
+    monkeypatch.setattr(blas_threads, "DECODE_THREADS", 1)
+    monkeypatch.setattr(blas_threads, "_now", None)
+    yield
+    blas_threads.use(prefill=False)
+
+
+def test_the_blas_runs_what_each_phase_sets(phases):
+    blas_threads.use(prefill=True)
+    assert blas_threads_now() == 2
+    blas_threads.use(prefill=False)
+    assert blas_threads_now() == 1
+
+
+def test_a_thread_count_the_user_set_is_left_alone(monkeypatch):
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    assert blas_threads._setter() is None
+
+
+def test_prefill_rounds_use_every_core_and_decode_rounds_one_fewer(phases, tiny_llama_lm):
+    engine = Engine(tiny_llama_lm, EngineConfig(max_active=2))
+    req = m.GenerateRequest(messages=[m.Message("user", "Hello there")], max_tokens=6, temperature=0.0)
+    engine.submit("a", req)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append(blas_threads_now())
+        if len(seen) == 3:
+            engine.submit("b", req)  # admitted beside a decoding request: that round prefills
+    assert seen[0] == 2 and seen[1:3] == [1, 1]
+    assert seen[3] == 2 and set(seen[4:]) == {1}

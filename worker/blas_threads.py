@@ -1,0 +1,63 @@
+"""The BLAS's thread count by phase, where MLX runs on the CPU (FINDINGS.md: MKL on the 2-core CPU).
+
+A prefill's matrix products are large and use every core: 512 prompt tokens of the embedded
+model took 2.1 s with MKL's 2 threads, 2.9 s with one. A decode round's are small (1-9 rows),
+and on every core they compete with the host thread, which builds the next round while MLX's
+stream thread computes this one, and MKL's threads spin for 200 ms after each parallel region
+(KMP_BLOCKTIME): on one thread a 2-token verify of the embedded model took 40 ms, not 45, a
+k = 1 drafting round 39 where it took 45, and the three plain rounds after drafting no longer
+cost 20% more than steady ones. So decode rounds run on every core but one, prefills on all.
+
+Where the user set a thread count (MKL_NUM_THREADS, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS), or
+no BLAS with a setter is loaded (macOS's Accelerate; MLX on a GPU does not use it), this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable, Optional
+
+USER_SETTINGS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+SETTERS = ("MKL_Set_Num_Threads", "openblas_set_num_threads")  # libmkl_rt, OpenBLAS
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _setter() -> Optional[Callable[[int], None]]:
+    if any(os.environ.get(v) for v in USER_SETTINGS):
+        return None
+    try:
+        process = ctypes.CDLL(None)  # a preloaded BLAS's symbols are global
+    except OSError:
+        return None
+    for name in SETTERS:
+        f = getattr(process, name, None)
+        if f is not None:
+            return f
+    return None
+
+
+PREFILL_THREADS = _cores()
+DECODE_THREADS = max(1, PREFILL_THREADS - 1)  # one core left to the host thread
+_set = _setter()
+_now: Optional[int] = None
+
+
+def use(prefill: bool) -> None:
+    """Sets the BLAS's threads for a round that prefills (every core) or only decodes."""
+    global _now
+    n = PREFILL_THREADS if prefill else DECODE_THREADS
+    if _set is not None and n != _now:
+        _set(n)
+        _now = n
+
+
+def current() -> Optional[int]:
+    """The thread count last set (None: never set, or nothing to set)."""
+    return _now
