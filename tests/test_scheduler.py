@@ -852,3 +852,36 @@ def test_the_simulator_prices_budgets_by_its_table_and_adaptive_follows_the_best
     hopeless = sim.Scenario("α=0 ×1", lambda p, n: 0.0, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)
     o = sim.compare(hopeless, 0)
     assert o["k=1"] < 0.8 * o["k=0"] and o["adaptive"] > 0.95 * o["k=0"]
+
+
+def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
+    """One probe's observation among SHARED_WEIGHT moves nothing, and probes far apart never fill
+    the short memory that sees a change (α 0.9 → 0.2 → 0.9 on one request: one probe every ~48
+    plain rounds, each hit lost, plain through the α = 0.9 third). A probe that hits is followed
+    by another, until the estimate has followed the text and the decision drafts on its own; a
+    probe that misses is not."""
+    def after_a_bad_text() -> Scheduler:
+        s = Scheduler()
+        s.cost.cells = {(1, 0, 0): [(0, 0.033)] * 32, (1, 1, 1): [(0, 0.052)] * 32}
+        for _ in range(60):
+            s.observe_cycle("r", 1, 0)
+        return s
+
+    good = after_a_bad_text()
+    rounds = []
+    for _ in range(300):
+        k = good.plan(["r"], 1)[0]
+        rounds.append(k)
+        if k:
+            good.observe_cycle("r", k, k)  # the text changed: every draft is accepted now
+    first = rounds.index(1)
+    assert all(rounds[first:]) and good.drafting  # from the first probe on: probes, then drafting
+    bad = after_a_bad_text()
+    rounds = []
+    for _ in range(300):
+        k = bad.plan(["r"], 1)[0]
+        rounds.append(k)
+        if k:
+            bad.observe_cycle("r", k, 0)
+    probes = [i for i, k in enumerate(rounds) if k]
+    assert len(probes) >= 2 and all(b - a > 1 for a, b in zip(probes, probes[1:]))  # a miss: plain again

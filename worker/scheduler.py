@@ -499,7 +499,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
             switching = switch_s / SWITCH_HORIZON if behind and any(k and x for k, x in zip(lengths, behind)) else 0.0
             switching += stop_s / SWITCH_HORIZON if b == 0 else 0.0
             candidates.append({"B": b, "D": d, "cost": cost, "gain": gain, "objective": gain / (cost + switching)})
-    best = max(candidates, key=lambda c: (c["objective"], -c["B"]))
+    best = _best(candidates)
     budget = best["B"]
     lengths = allocate(surv, budget)
     plain = candidates[0]  # B = 0 is always the first candidate
@@ -510,6 +510,10 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
         lengths = [int(bool(row)) for row in surv]  # one token for every request that has room
         budget = sum(lengths)
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": lengths, "explored": explored}
+
+
+def _best(candidates: list[dict]) -> dict:
+    return max(candidates, key=lambda c: (c["objective"], -c["B"]))  # equal objectives: the smaller budget
 
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
@@ -607,6 +611,8 @@ class Scheduler:
         self._probe_every = PROBE_EVERY
         self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
         self._drafting = False  # see `drafting`
+        self._probing = False  # this round is a probe
+        self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -623,7 +629,7 @@ class Scheduler:
             lengths: list[int] = []
         elif self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
-        elif self._held and self._held[0] == joint_ids and self._hold_left > 0 \
+        elif self._held and self._held[0] == joint_ids and self._hold_left > 0 and not self._probe_hit \
                 and (self.rounds_without_draft < self._probe_every or any(self._held[1])):
             self._hold_left -= 1
             lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
@@ -634,6 +640,8 @@ class Scheduler:
             lengths = d["allocation"]
             if any(c is None or c > 0 for c in caps):  # a request's last round has no room to draft
                 self._drafting = bool(d["budget"]) and not d["probe"]
+            self._probe_hit = False
+            self._probing = bool(d["budget"]) and d["probe"] and _best(d["candidates"])["B"] == 0
             self._held = (list(joint_ids), lengths)
             self._hold_left = self._hold_rounds(d, d["decide_s"])
             if d["explored"] and pipelined:  # the first plain rounds restart the pipeline: measure the next
@@ -662,7 +670,11 @@ class Scheduler:
             # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart
             # after each, they cost α = 0.3 on one request 10%: until the draft is known, 5× as often
             self._probe_every = max(PROBE_EVERY, math.ceil(self._probe_every * PROBE_SHARE / UNCERTAIN_SHARE))
-        probe = self.rounds_without_draft >= self._probe_every
+        # a probe whose draft was accepted is followed by another: one observation among SHARED_WEIGHT
+        # moves nothing, and probes far apart never fill the short memory that sees a change (α 0.9
+        # → 0.2 → 0.9, one request: probes every ~48 plain rounds, each hit lost, plain through the
+        # α = 0.9 thirds; 0.89 of k = 1). Consecutive hits do: three forget the older rate
+        probe = self.rounds_without_draft >= self._probe_every or self._probe_hit
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
@@ -720,6 +732,8 @@ class Scheduler:
             self.overall.fade(recent=not any(lengths))
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
+        if self._probing and n:
+            self._probe_hit = True
         if k:
             self._acceptance(request_id).observe(k, n)
             self.overall.observe(k, n)
