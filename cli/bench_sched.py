@@ -114,10 +114,11 @@ def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int, log_
     _, base_runs = _run(base_engine, sc, "baseline", concurrency)  # the greedy continuations
     references = {tuple(render_prompt(sc.target.tokenizer, _chat(PROMPTS[i], sc.tokens, "baseline"))): (i, base_runs[i])
                   for i in range(concurrency)}
-    def log(name: str) -> Optional[str]:  # adaptive engines' decision logs, one file each
-        if not log_dir or not name.startswith("adaptive"):
+    def log(name: str) -> Optional[str]:  # every engine's log, one file each: the fixed rows' round costs beside adaptive's
+        if not log_dir:
             return None
-        stem = f"{sc.name.split(' (')[0]}-x{concurrency}-adaptive{'-unbatched' if ',' in name else ''}"
+        label = {"adaptive, one-after-another": "adaptive-unbatched"}.get(name, name.replace("=", ""))
+        stem = f"{sc.name.split(' (')[0]}-x{concurrency}-{label}"
         return str(Path(log_dir) / (stem.replace(", ", "_").replace(" ", "_") + ".jsonl"))
     engines = {name: _engine(sc, budget, batch, references, log(name)) for name, mode, budget, batch in configs}
     for _ in range(WARMUP_RUNS):  # shapes compile, the cost model learns
@@ -261,6 +262,6 @@ def add_command(benches) -> None:
     p.add_argument("--skip-distilled", action="store_true", help="skip the embedded model with its distilled draft")
     p.add_argument("--quick", action="store_true", help="small settings (for tests)")
     p.add_argument("--decision-log", metavar="DIR", default=None,
-                   help="write each adaptive engine's decisions to DIR/<scenario>-x<n>-adaptive[-unbatched].jsonl (`verity replay` reads them)")
+                   help="write each engine's log to DIR/<scenario>-x<n>-<row>.jsonl: adaptive's decisions (`verity replay` reads them), every row's rounds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_sched)

@@ -27,13 +27,17 @@ def test_bench_sched_quick(tmp_path):
         assert len(runs["adaptive"]) == len(runs["baseline"]) == row["repeats"]
         assert row["adaptive_vs_baseline"] == statistics.median(a / b for a, b in zip(runs["adaptive"], runs["baseline"]))
         assert row["ratio_of_medians_vs_baseline"] == row["adaptive"] / row["baseline"]
-    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())  # every adaptive engine's decisions, replayable
-    assert logs == ["tiny_hybrid-x1-adaptive.jsonl", "tiny_hybrid-x4-adaptive-unbatched.jsonl", "tiny_hybrid-x4-adaptive.jsonl"]
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())  # every engine's log: adaptive's decisions, replayable
+    rows_logged = ["adaptive", "baseline", "k1", "k2"]
+    assert logs == sorted([f"tiny_hybrid-x1-{r}.jsonl" for r in rows_logged]
+                          + [f"tiny_hybrid-x4-{r}.jsonl" for r in rows_logged + ["adaptive-unbatched"]])
     for name in logs:
+        records = [json.loads(line) for line in (tmp_path / "logs" / name).read_text().splitlines()]
+        assert any("observed" in rec for rec in records), name  # each row's round costs
+        assert any("candidates" in rec for rec in records) == ("adaptive" in name), name
         replay = subprocess.run([sys.executable, "-m", "cli.main", "replay", str(tmp_path / "logs" / name)],
                                 capture_output=True, text=True, timeout=120)
-        assert replay.returncode == 0 and (tmp_path / "logs" / name).stat().st_size > 0, replay.stdout[-2000:]
-
+        assert replay.returncode == 0, replay.stdout[-2000:]
 
 def test_the_controlled_draft_meets_the_same_hard_tokens_whatever_the_budget():
     """Whether a position is proposed right depends on (seed, position) only, so configurations
