@@ -31,14 +31,15 @@ def phases(monkeypatch):
     monkeypatch.setattr(blas_threads, "PREFILL_THREADS", 2)
     monkeypatch.setattr(blas_threads, "DECODE_THREADS", 1)
     monkeypatch.setattr(blas_threads, "_now", None)
+    monkeypatch.setattr(blas_threads, "WIDE_WORK", 1.0)  # any prefill is large enough here
     yield
-    blas_threads.use(prefill=False)
+    blas_threads.use()
 
 
 def test_the_blas_runs_what_each_phase_sets(phases):
-    blas_threads.use(prefill=True)
+    blas_threads.use(prefill_work=1.0)
     assert blas_threads_now() == 2
-    blas_threads.use(prefill=False)
+    blas_threads.use()
     assert blas_threads_now() == 1
 
 
@@ -59,3 +60,17 @@ def test_prefill_rounds_use_every_core_and_decode_rounds_one_fewer(phases, tiny_
             engine.submit("b", req)  # admitted beside a decoding request: that round prefills
     assert seen[0] == 2 and seen[1:3] == [1, 1]
     assert seen[3] == 2 and set(seen[4:]) == {1}
+
+
+def test_a_small_prefill_stays_on_the_decode_threads(phases, monkeypatch, tiny_llama_lm):
+    """Widening costs MKL's 200 ms spin after it: a small model's small prefill is not worth it."""
+    monkeypatch.setattr(blas_threads, "WIDE_WORK", 16 * 135e6)
+    engine = Engine(tiny_llama_lm, EngineConfig(max_active=2))
+    engine.submit("a", m.GenerateRequest(messages=[m.Message("user", "Hello there")], max_tokens=4, temperature=0.0))
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append(blas_threads_now())
+    assert set(seen) == {1}
+    blas_threads.use(prefill_work=16 * 135e6)  # the embedded model's 16-token prefill is
+    assert blas_threads_now() == 2

@@ -6,7 +6,11 @@ and on every core they compete with the host thread, which builds the next round
 stream thread computes this one, and MKL's threads spin for 200 ms after each parallel region
 (KMP_BLOCKTIME): on one thread a 2-token verify of the embedded model took 40 ms, not 45, a
 k = 1 drafting round 39 where it took 45, and the three plain rounds after drafting no longer
-cost 20% more than steady ones. So decode rounds run on every core but one, prefills on all.
+cost 20% more than steady ones. So decode rounds run on every core but one, and a round that
+prefills runs on all where its prefill is large: switching costs the 200 ms spin after it, which
+a small model's 2 ms rounds paid for nothing (the tiny pair's rounds read 10-20% slower with
+every prefill widened), where the embedded model's 128-token prefill gains 0.2 s (726 -> 507 ms)
+and its 16-token one 30 ms, with no cost seen in the rounds after.
 
 Where the user set a thread count (MKL_NUM_THREADS, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS), or
 no BLAS with a setter is loaded (macOS's Accelerate; MLX on a GPU does not use it), this does nothing.
@@ -45,14 +49,18 @@ def _setter() -> Optional[Callable[[int], None]]:
 
 PREFILL_THREADS = _cores()
 DECODE_THREADS = max(1, PREFILL_THREADS - 1)  # one core left to the host thread
+WIDE_WORK = 16 * 135e6  # parameter-tokens a round's prefill needs to run on every core: the embedded
+                        # model's 16-token prefill (128 ms on 2 threads, 158 on one); a tiny model's never
 _set = _setter()
 _now: Optional[int] = None
 
 
-def use(prefill: bool) -> None:
-    """Sets the BLAS's threads for a round that prefills (every core) or only decodes."""
+def use(prefill_work: float = 0.0) -> None:
+    """Sets the BLAS's threads for a round: every core where it prefills at least WIDE_WORK
+    parameter-tokens (prompt tokens × the model's parameters, summed over what it prefills), else
+    every core but one."""
     global _now
-    n = PREFILL_THREADS if prefill else DECODE_THREADS
+    n = PREFILL_THREADS if prefill_work >= WIDE_WORK else DECODE_THREADS
     if _set is not None and n != _now:
         _set(n)
         _now = n

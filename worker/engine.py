@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 
 from protocol import messages as m
@@ -135,6 +136,10 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
+def _n_params(model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None,
                  drafter_factory=None, reuse: Optional[PrefixCache] = None):
@@ -150,6 +155,8 @@ class Engine:
         self._active: list[_Request] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
+        self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
+        self._draft_params = _n_params(draft.model) if draft else 0
 
     # ---- any thread ----
 
@@ -217,7 +224,9 @@ class Engine:
         self._apply_cancels(events)
         with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
             if self._waiting and len(self._active) < self.config.max_active:
-                blas_threads.use(prefill=True)  # admission prefills (with reuse, up to the prompt's boundaries)
+                with self._lock:  # admission prefills (with reuse, up to the prompt's boundaries)
+                    admitted = list(self._waiting)[: self.config.max_active - len(self._active)]
+                blas_threads.use(self._params * sum(len(r.prompt) for r in admitted))
             self._admit(events)
             self._round(events)
         if not self._active:  # idle: the decision log's held-back records go out now
@@ -243,8 +252,9 @@ class Engine:
         if not reason and not batching and any(r.decoder.last and not r.decoder.budget for r in joint):
             reason = "last plain round"  # it computes nothing ahead: only the wait for the token computed before
         complete = not reason
-        blas_threads.use(prefill=reason == "prefill or error" or any(
-            k and d.draft_lacks_prompt for d, k in zip(decoders, plan)))  # a draft's first cycle prefills it
+        blas_threads.use(self._params * sum(len(r.prompt) for r in self._active if not r.decoder.started)
+                         + self._draft_params * sum(d.prompt_len for d, k in zip(decoders, plan)
+                                                    if k and d.draft_lacks_prompt))  # a draft's first cycle prefills it
         for d in decoders:
             d.take_apart()  # what a snapshot's settle paid since is no part of this round
         t0 = time.perf_counter()
