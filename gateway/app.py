@@ -176,11 +176,19 @@ def _time_limit_reached(gw: Gateway, t: Tracked) -> None:
     gw.link.cancel(t.id, reason=_time_limit_message(gw.config.request_timeout_s))
 
 
-async def _first_event(t: Tracked):
+async def _next_event(t: Tracked, within_s: float):
+    """The request's next event, or None after within_s. asyncio.timeout, not wait_for: under an
+    outer time limit, Python 3.11's wait_for can swallow that limit's cancellation when the event
+    arrives at the same moment, and a stream then ran to its end (2,000 tokens) past the limit."""
     try:
-        return await asyncio.wait_for(t.events.get(), FIRST_EVENT_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(within_s):
+            return await t.events.get()
+    except TimeoutError:
         return None
+
+
+async def _first_event(t: Tracked):
+    return await _next_event(t, FIRST_EVENT_TIMEOUT_S)
 
 
 async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
@@ -213,9 +221,8 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
             ev = first
             while True:
                 if ev is None:
-                    try:
-                        ev = await asyncio.wait_for(t.events.get(), gw.config.keepalive_s)
-                    except asyncio.TimeoutError:
+                    ev = await _next_event(t, gw.config.keepalive_s)
+                    if ev is None:
                         await resp.write(b": keep-alive\n\n")
                         continue
                 if isinstance(ev, m.TextDelta) and ev.text:
