@@ -762,7 +762,7 @@ def test_the_server_wide_estimate_remembers_rounds_not_cycles():
         s = Scheduler()
         ids = [f"r{i}" for i in range(n)]
         for i in range(200):
-            s.plan(ids, n)
+            s._fade(ids, [1] * n)  # a drafting round's decay, as Scheduler.plan applies it
             for j, rid in enumerate(ids):
                 s.observe_cycle(rid, 1, int((i + j) % 3 == 0))  # a steady 1 in 3
         return s.overall.tried[0]
@@ -884,3 +884,19 @@ def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
             bad.observe_cycle("r", k, 0)
     probes = [i for i, k in enumerate(rounds) if k]
     assert len(probes) >= 2 and all(b - a > 1 for a, b in zip(probes, probes[1:]))  # a miss: plain again
+
+
+def test_over_plain_rounds_the_server_wide_estimate_fades_to_the_long_run_one():
+    """A draft accepted 3 in 10, then 60 plain rounds: the server-wide estimate reads the long-run
+    rate, worth FADE_WEIGHT cycles, so one probe's miss leaves it near that rate (faded to nothing,
+    the miss took it to ~3/4 of it, and the next probes came as rarely as that priced them: α = 0.3
+    on one request read 0.09-0.20 through a whole run and stayed plain, 0.90 of k = 1)."""
+    s = Scheduler()
+    for i in range(200):
+        _drafting_round(s, "r", 1, int(i % 10 < 3))
+    for _ in range(60):
+        s._fade(["r"], [0])
+    longrun = s.longrun.rates()[0]
+    assert s.shared_rates()[0] == pytest.approx(longrun, abs=0.01)
+    _drafting_round(s, "r", 1, 0)  # a probe's miss
+    assert s.shared_rates()[0] > 0.85 * longrun

@@ -46,6 +46,7 @@ RECENT_DECAY = 0.7  # a short memory kept beside each estimate's, to see that th
 CHANGE_NATS = 1.5  # log-likelihood ratio (recent observations, short memory's rate against the
                    # estimate's) past which the estimate forgets what came before them
 MIN_RECENT = 1.5  # decayed observations the short memory needs before it is tested
+FADE_WEIGHT = 8.0  # observations of the long-run estimate a server-wide one fades to over plain rounds
 SHARED_WEIGHT = 24.0  # pseudo-observations of the server-wide estimate in each request's own: noise
                       # in each request's estimates makes survivals uneven, and uneven survivals draft
                       # deeper for the same budget (8: α = 0.9 ×4 chose depth 2 where 4 paid, 0.93 of k = 4)
@@ -117,11 +118,16 @@ class Acceptance:
                 if deeper:
                     return
 
-    def fade(self, recent: bool = True) -> None:
+    def fade(self, recent: bool = True, toward: Sequence[float] | None = None) -> None:
         """A round without drafts (or, `per_round`, any round): what was seen weighs less; `recent`:
-        the short memory too."""
-        self.accepted = [a * self.decay for a in self.accepted]
-        self.tried = [t * self.decay for t in self.tried]
+        the short memory too; `toward`: what it fades to, worth FADE_WEIGHT observations once faded."""
+        d = self.decay
+        if toward is None:
+            self.accepted = [a * d for a in self.accepted]
+            self.tried = [t * d for t in self.tried]
+        else:
+            self.accepted = [a * d + (1 - d) * FADE_WEIGHT * p for a, p in zip(self.accepted, toward)]
+            self.tried = [t * d + (1 - d) * FADE_WEIGHT for t in self.tried]
         if recent:
             self.recent_accepted = [a * RECENT_DECAY for a in self.recent_accepted]
             self.recent_tried = [t * RECENT_DECAY for t in self.recent_tried]
@@ -729,7 +735,13 @@ class Scheduler:
             if not k:
                 self._acceptance(rid).fade()
         if joint_ids and (self.overall.per_round or not any(lengths)):
-            self.overall.fade(recent=not any(lengths))
+            # over plain rounds the server-wide estimate fades to the long-run one, worth FADE_WEIGHT
+            # cycles, not to nothing: faded to nothing, the next probe's one cycle was most of it, a
+            # miss took it to 2/3 of the long-run rate, and the next probes came as rarely as that
+            # priced them (α = 0.3 on one request read 0.09-0.20 for a whole run and stayed plain
+            # where k = 1 paid 11%: 0.90 of k = 1)
+            plain = not any(lengths)
+            self.overall.fade(recent=plain, toward=self.longrun.rates() if plain else None)
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         if self._probing and n:
