@@ -887,8 +887,9 @@ def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
 
 
 def test_over_plain_rounds_the_server_wide_estimate_fades_to_the_long_run_one():
-    """A draft accepted 3 in 10, then 60 plain rounds: the server-wide estimate reads the long-run
-    rate, worth FADE_WEIGHT cycles, so one probe's miss leaves it near that rate (faded to nothing,
+    """A draft accepted 3 in 10, then 60 plain rounds: the server-wide estimate's position 1 reads
+    the long-run rate, worth FADE_WEIGHT cycles (the deeper positions fade to nothing, as before),
+    so one probe's miss leaves it near that rate (faded to nothing,
     the miss took it to ~3/4 of it, and the next probes came as rarely as that priced them: α = 0.3
     on one request read 0.09-0.20 through a whole run and stayed plain, 0.90 of k = 1)."""
     s = Scheduler()
@@ -898,5 +899,6 @@ def test_over_plain_rounds_the_server_wide_estimate_fades_to_the_long_run_one():
         s._fade(["r"], [0])
     longrun = s.longrun.rates()[0]
     assert s.shared_rates()[0] == pytest.approx(longrun, abs=0.01)
+    assert s.overall.tried[0] == pytest.approx(scheduler.FADE_WEIGHT, rel=0.1) and s.overall.tried[1] < 0.1
     _drafting_round(s, "r", 1, 0)  # a probe's miss
     assert s.shared_rates()[0] > 0.85 * longrun

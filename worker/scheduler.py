@@ -46,7 +46,7 @@ RECENT_DECAY = 0.7  # a short memory kept beside each estimate's, to see that th
 CHANGE_NATS = 1.5  # log-likelihood ratio (recent observations, short memory's rate against the
                    # estimate's) past which the estimate forgets what came before them
 MIN_RECENT = 1.5  # decayed observations the short memory needs before it is tested
-FADE_WEIGHT = 8.0  # observations of the long-run estimate a server-wide one fades to over plain rounds
+FADE_WEIGHT = 8.0  # observations of the long-run estimate a server-wide one's position 1 fades to over plain rounds
 SHARED_WEIGHT = 24.0  # pseudo-observations of the server-wide estimate in each request's own: noise
                       # in each request's estimates makes survivals uneven, and uneven survivals draft
                       # deeper for the same budget (8: α = 0.9 ×4 chose depth 2 where 4 paid, 0.93 of k = 4)
@@ -120,14 +120,16 @@ class Acceptance:
 
     def fade(self, recent: bool = True, toward: Sequence[float] | None = None) -> None:
         """A round without drafts (or, `per_round`, any round): what was seen weighs less; `recent`:
-        the short memory too; `toward`: what it fades to, worth FADE_WEIGHT observations once faded."""
+        the short memory too; `toward`: what position 1 fades to, worth FADE_WEIGHT observations once
+        faded (the deeper positions fade to nothing, their prior: held at the long-run rates, which
+        carried the α = 0.9 thirds' rates into the α 0.9 → 0.2 → 0.9 rows, they kept drafts 2-8
+        deep through failures, 0.91 of k = 1 in a whole run; 0.99 in a targeted run without)."""
         d = self.decay
-        if toward is None:
-            self.accepted = [a * d for a in self.accepted]
-            self.tried = [t * d for t in self.tried]
-        else:
-            self.accepted = [a * d + (1 - d) * FADE_WEIGHT * p for a, p in zip(self.accepted, toward)]
-            self.tried = [t * d + (1 - d) * FADE_WEIGHT for t in self.tried]
+        self.accepted = [a * d for a in self.accepted]
+        self.tried = [t * d for t in self.tried]
+        if toward is not None:
+            self.accepted[0] += (1 - d) * FADE_WEIGHT * toward[0]
+            self.tried[0] += (1 - d) * FADE_WEIGHT
         if recent:
             self.recent_accepted = [a * RECENT_DECAY for a in self.recent_accepted]
             self.recent_tried = [t * RECENT_DECAY for t in self.recent_tried]
