@@ -43,7 +43,7 @@ def run_gpu(args: argparse.Namespace) -> int:
                  "target_params": gb.n_params(target), "draft_params": gb.n_params(draft)}
     fig["copy_bandwidth_GBps"] = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30) / 1e9
     prompt = list(range(1, args.prompt_tokens + 1))
-    reps = args.repeats * 3
+    reps = args.probe_repeats * 3
     if gb.kernel_available():
         fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, prompt, args, reps)
     fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
@@ -53,8 +53,8 @@ def run_gpu(args: argparse.Namespace) -> int:
         fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
         fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
         gb.plain_decode(target, prompt, 8)  # warm-up
-        fig["plain_tps_by_mode"][mode] = sorted(gb.plain_decode(target, prompt, args.tokens)[0]
-                                                for _ in range(args.repeats))[args.repeats // 2]
+        fig["plain_tps_by_mode"][mode] = statistics.median(gb.plain_decode(target, prompt, args.tokens)[0]
+                                                           for _ in range(args.probe_repeats))
         progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f}), "
                  f"plain {fig['plain_tps_by_mode'][mode]:.1f} tok/s")
     if args.bits is None:  # the draft's few-kernel path (spec/fast_draft.py): unquantized layers only
@@ -130,7 +130,7 @@ def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
     for m in (target, draft):
         gb.set_mode(m, "eager")
     figures: dict = {"ops": {}, "kernel": {}}
-    for rep in range(args.repeats):
+    for rep in range(args.probe_repeats):
         for name in ("ops", "kernel") if rep % 2 == 0 else ("kernel", "ops"):
             gdn_kernel.set_enabled(name == "kernel")
             f = figures[name]
@@ -262,7 +262,9 @@ def add_command(benches) -> None:
                         "--mode's like the target's (all measured side by side)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="alternated repeats of each joint configuration")
+    p.add_argument("--probe-repeats", type=int, default=3,
+                   help="repeats of the side-by-side figures before the joint rows (kernels, modes, forward costs)")
     p.add_argument("--alphas", type=float, nargs="*", default=ALPHAS)
     p.add_argument("--ks", type=int, nargs="*", default=KS)
     p.add_argument("--reference-acceptance", action="store_true",
