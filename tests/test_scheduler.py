@@ -209,6 +209,29 @@ def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
     assert plain_only.table()["1,0,0"] == pytest.approx(0.031)
 
 
+def test_a_plain_figure_from_a_slow_spell_is_capped_by_the_drafting_rounds_since():
+    """A whole run's tiny pair: a slow spell's 20 plain rounds (5.2 ms, steady 2.0) priced the
+    plain round at 5.2 ms, and the k = 1 rounds after it (5.8 ms, 2.1 of them drafting) read as
+    paying at 0.5 (3.9 ms a token): it drafted 311 rounds. A drafting round less its drafting
+    costs at least a plain round, so MIN_SAMPLES such rounds cap the plain figure at 3.7 ms, and
+    drafting stops; where the plain figure is below the cap, nothing changes."""
+    def run(spell: float, drafting: int) -> CostModel:
+        cm = CostModel()
+        for t in [0.002] * WINDOW + [spell] * 20:
+            cm.observe((1, 0, 0), t)
+        for _ in range(drafting):
+            cm.observe((1, 1, 1), 0.0058, draft_s=0.0021)
+        cm.commit()
+        return cm
+    few, enough = run(0.0052, MIN_SAMPLES - 1), run(0.0052, MIN_SAMPLES)
+    assert few.table()["1,0,0"] == pytest.approx(0.0052)
+    assert decide([[0.5]], 1, few.table(), 8, counts=few.counts())["budget"] == 1
+    assert enough.table()["1,0,0"] == pytest.approx(0.0058 - 0.0021)
+    assert decide([[0.5]], 1, enough.table(), 8, counts=enough.counts())["budget"] == 0
+    steady = run(0.002, 2 * MIN_SAMPLES)
+    assert steady.table()["1,0,0"] == pytest.approx(0.002)
+
+
 def test_a_cell_the_ordering_contradicts_is_measured_again():
     """A batch's first k = 1 rounds (4 requests) cost 180 ms, more than its steady k = 2 rounds
     (151 ms) which then bounded it: k = 1 was never tried again, where it was 5% the better. Once
