@@ -39,9 +39,10 @@ PROMPTS = ["Write a short story about a robot who learns to paint.", "Explain ho
 GOAL_VS_FIXED, GOAL_VS_BASELINE = 0.95, 0.97
 WARMUP_RUNS = 2  # unmeasured runs of every configuration first: the goals are about a server's steady state
 SHORT_RUN_TOKENS = 1024  # a row whose runs decode fewer tokens than this repeats as often as the widest row does
-TINY_REPEAT_FACTOR = 3  # the tiny pair's runs take 2-5 s, and one of its rows read baseline runs of 296, 574, 521
-                        # and 271 tok/s; its adaptive runs plain rounds (7 drafting of 9,206), the baseline's work,
-                        # and 4 repeats put that at 0.865-1.28 of baseline over four whole runs
+TINY_REPEAT_FACTOR = 3  # the tiny pair's one-request runs take 2-5 s, and one of its rows read baseline runs of 296,
+                        # 574, 521 and 271 tok/s; its adaptive runs plain rounds (7 drafting of 9,206), the baseline's
+                        # work, and 4 repeats put that at 0.865-1.28 of baseline over four whole runs. Its ×4 runs
+                        # take 14-28 s each and lead by 1.25-1.64: repeated so, they took 25 of a whole run's 66 min
 QUICK = dict(tokens=12, tiny_tokens=16, repeats=1, ks=(1, 2), alphas=(0.9,), concurrency=(1, 4))
 
 
@@ -52,7 +53,7 @@ class Scenario:
     draft: object  # LoadedModel: its model carries the drafting cost
     tokens: int
     alpha: Optional[Callable[[int], float]] = None  # controlled-acceptance draft when set
-    repeat_factor: int = 1  # its rows repeat this many times as often (see TINY_REPEAT_FACTOR)
+    repeat_factor: int = 1  # its rows of one request repeat this many times as often (see TINY_REPEAT_FACTOR)
 
 
 def _chat(text: str, tokens: int, mode: str):
@@ -211,7 +212,7 @@ def run_sched(args: argparse.Namespace) -> int:
     widths = tuple(args.concurrency or (1, 4))
     for sc in _build(args):
         for c in widths:
-            reps = row_repeats(args.repeats, sc.tokens, c, max(widths)) * sc.repeat_factor
+            reps = row_repeats(args.repeats, sc.tokens, c, max(widths)) * (sc.repeat_factor if c == 1 else 1)
             progress(f"{sc.name}, {c} concurrent, {reps} repeats")
             res = _scenario_rows(sc, ks, c, reps, args.decision_log)
             base = res["baseline"]["tokens_per_s"]
