@@ -8,6 +8,7 @@ forward of a new shape compiles kernels on CUDA).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -291,6 +292,9 @@ class JointRun:
     tokens: list = field(default_factory=list)
 
 
+_RUNS = itertools.count()  # request ids of joint_decode's runs
+
+
 class ForcedDrafter(ControlledDrafter):
     """The controlled draft, remembering which of its proposals it meant to be right."""
 
@@ -338,24 +342,25 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     out = [jd.start()]
     mx.synchronize()
     sched = scheduler or Scheduler(fixed=k)
+    rid = f"r{next(_RUNS)}"  # each run a new request, as the engine's: the last run's held plan ends with it
     t0 = time.perf_counter()
     while len(out) < n:
         # as the engine's rounds (worker/engine.py): switching costs paid on their own are timed apart
-        budget = sched.plan(["r"], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead], pipelined=True)[0]
+        budget = sched.plan([rid], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead], pipelined=True)[0]
         untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
         jd.take_apart()
         t = time.perf_counter()
         emitted = jd.cycle(budget, n - len(out) <= 1)
         keep = min(len(emitted), n - len(out))
         jd.commit(keep)
-        sched.observe_cycle("r", *jd.last_cycle)
+        sched.observe_cycle(rid, *jd.last_cycle)
         apart = jd.take_apart()
         sched.observe_round(time.perf_counter() - t - sum(apart.values()), complete=not untimed, reason=untimed, apart=apart,
                             draft_s=jd.last_draft_s if budget else 0.0)
         out += emitted[:keep]
     wall = time.perf_counter() - t0
     s = jd.stats
-    sched.forget("r")
+    sched.forget(rid)
     sched.flush_log()  # after the timed run, as the engine does when idle
     return JointRun((len(out) - 1) / wall, s.accepted / s.drafted if s.drafted else 0.0,
                     s.drafted / s.cycles if s.cycles else 0.0, s.draft_s, s.verify_s, s.recovery_s, out)
