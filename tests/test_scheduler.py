@@ -18,7 +18,7 @@ from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
 from worker import scheduler_sim as sim
-from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, SPELL_FACTOR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -110,11 +110,37 @@ def test_a_cell_measured_again_after_a_long_gap_starts_anew():
         cm.observe((4, 4, 1), fresh)
         cm.commit()
         return cm
-    late, soon, dearer = run(STALE_GAP + 1), run(STALE_GAP - 1), run(STALE_GAP + 1, 0.30)
+    late, soon, dearer = run(STALE_GAP + 1), run(STALE_GAP - 1, 0.23), run(STALE_GAP + 1, 0.30)
     assert late.table()["4,4,1"] == 0.15 and late.counts()["4,4,1"] == 1
     assert soon.table()["4,4,1"] == 0.24 and soon.counts()["4,4,1"] == 6
     assert dearer.table()["4,4,1"] == 0.24 and dearer.counts()["4,4,1"] == 6
     assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
+
+
+def test_a_round_far_under_its_cells_median_starts_it_anew_after_a_shorter_gap():
+    """distilled ×4: k = 1 (4 requests) measured in a slow spell stood at 177-204 ms through plain
+    stretches while each probe's fresh round read 132-155; probes came every 16-30 rounds, under
+    STALE_GAP, so each fresh round only joined the slow ones. A drafting round at SPELL_FACTOR of its
+    cell's median or less, RATIO_NEAR rounds or more after the cell's last, is another spell's: the
+    cell starts anew. Back to back, or not that much cheaper, rounds pool; the plain cell has its
+    own rules (`_cap_plain`, `_plain_from_drafting`)."""
+    def run(gap: int, fresh: float, key=(4, 4, 1), other=(4, 0, 0)) -> CostModel:
+        cm = CostModel()
+        for _ in range(8):
+            cm.observe(key, 0.190)
+        for _ in range(gap):
+            cm.observe(other, 0.110)
+        cm.observe(key, fresh)
+        cm.commit()
+        return cm
+    spell = run(RATIO_NEAR + 1, 0.140)
+    assert spell.table()["4,4,1"] == pytest.approx(0.140) and spell.counts()["4,4,1"] == 1
+    assert run(RATIO_NEAR - 1, 0.140).counts()["4,4,1"] == 9  # too soon after the last
+    assert run(RATIO_NEAR + 1, 0.170).counts()["4,4,1"] == 9  # cheaper, but within the spell's spread
+    assert run(0, 0.140).counts()["4,4,1"] == 9  # back to back
+    assert run(RATIO_NEAR + 1, 0.080, (4, 0, 0), (4, 4, 1)).counts()["4,0,0"] == 9  # plain: not so
+    assert decide([[0.45]] * 4, 4, spell.table(), 16, counts=spell.counts())["budget"] == 4
+    assert decide([[0.45]] * 4, 4, run(RATIO_NEAR - 1, 0.140).table(), 16)["budget"] == 0
 
 
 def test_a_cell_that_starts_anew_drops_its_ratios_too():

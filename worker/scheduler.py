@@ -181,6 +181,8 @@ EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a sta
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
 FEW_ROUNDS = 2 * MIN_SAMPLES  # a deeper drafting cell measured fewer times, then left STALE_GAP rounds, is tried again
 RATIO_NEAR = 8  # a drafting round is set against the plain rounds only this close to one (their pace may change)
+SPELL_FACTOR = 0.85  # a drafting cell's round this far under its median, RATIO_NEAR rounds or more after the last, starts it anew
+                     # (distilled ×4: k = 1 priced at 177-204 ms from a slow spell while probes read 132-155)
 PACE_BOUND = 1.5  # ... and a plain figure priced so moves at most this factor (the pace drifts ±20-30%)
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
@@ -212,8 +214,9 @@ class CostModel:
     ratio to the plain round (see `_live`), so its figure follows a change of load. A stale cell
     dearer than one that does more work is priced by its neighbours (see `_contradicted`). A cell
     measured again after STALE_GAP rounds without a measurement, cheaper than its median, starts
-    anew, its ratios with it: its rounds came from another spell (a batch's first rounds cost more than its later
-    ones), and a probe's one fresh round must be able to move a cell that a few early rounds
+    anew, its ratios with it (a drafting cell after RATIO_NEAR rounds already, if at SPELL_FACTOR
+    of its median or less): its rounds came from another spell (a batch's first rounds cost more
+    than its later ones), and a probe's one fresh round must be able to move a cell that a few early rounds
     priced out, which nothing else would re-measure. A dearer fresh round only joins the others:
     a probe's round is itself a little dearer than a steady one (the first of its shape after
     plain rounds), and an estimate too cheap corrects itself by the drafting it brings about.
@@ -252,7 +255,8 @@ class CostModel:
         key, seconds, draft_s = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
-        if cell and self.rounds - cell[-1][0] > STALE_GAP and seconds < _median([t for _, t in cell]):
+        gap, median = (self.rounds - cell[-1][0], _median([t for _, t in cell])) if cell else (0, 0.0)
+        if (gap > STALE_GAP and seconds < median) or (key[1] and gap > RATIO_NEAR and seconds < SPELL_FACTOR * median):
             cell.clear()  # cheaper than in another spell (the start of a batch, another load): start anew
             self.ratios.pop(key, None)  # ... and so do its ratios, which would price it once its rounds expire
         if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
