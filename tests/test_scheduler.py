@@ -117,6 +117,28 @@ def test_a_cell_measured_again_after_a_long_gap_starts_anew():
     assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
 
 
+def test_a_ratio_to_plain_is_taken_only_against_a_plain_cell_of_min_samples_rounds():
+    """H200, α = 0.6: one plain round at the engine's start (8.7 ms; steady ones 6.0) was all the
+    plain cell held when k = 8 was first measured (18.4 ms); once those rounds went stale, k = 8 was
+    priced by that ratio at 12.6 ms, 2.1× plain, and drafted 8 deep at 23 ms a round. A ratio is
+    taken against MIN_SAMPLES plain rounds or more."""
+    def run(plain_rounds: int) -> CostModel:
+        cm = CostModel()
+        for _ in range(plain_rounds):
+            cm.observe((1, 0, 0), 0.0087)
+        for _ in range(4):
+            cm.observe((1, 8, 8), 0.0184)
+        for _ in range(STALE_GAP + 1):
+            cm.observe((1, 0, 0), 0.0060)
+        cm.commit()
+        return cm
+    one, enough = run(1), run(MIN_SAMPLES)
+    assert one.table()["1,8,8"] == pytest.approx(0.0184)  # its own rounds, not 0.0184 / 0.0087 × 0.0060
+    assert enough.table()["1,8,8"] == pytest.approx(0.0184 / 0.0087 * 0.0060)
+    priced = [estimate(cm.table(), 1, 8, 8, cm.counts()) for cm in (one, enough)]
+    assert priced[0] > 1.3 * priced[1] and priced[0] > 2.9 * 0.0060  # near what it cost, not 2.1× plain
+
+
 def test_a_round_far_under_its_cells_median_starts_it_anew_after_a_shorter_gap():
     """distilled ×4: k = 1 (4 requests) measured in a slow spell stood at 177-204 ms through plain
     stretches while each probe's fresh round read 132-155; probes came every 16-30 rounds, under
@@ -380,11 +402,12 @@ def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[floa
         s.observe_round(costs[2], True)
 
 
-def test_a_plain_cell_of_few_rounds_is_measured_again_soon():
+def test_a_plain_cell_of_few_rounds_is_measured_again_soon(monkeypatch):
     """An engine's first plain round (38 ms, against 31 ms steady) was the plain cell's only one,
     and k = 1 (44 ms) drafted 100 rounds at α = 0.3 before PLAIN_GAP let plain rounds be measured
     again. While the plain cell has fewer than MIN_SAMPLES rounds, plain rounds are explored
     every FEW_PLAIN_GAP drafting rounds, and the fresh figures stop the drafting."""
+    monkeypatch.setattr(scheduler, "MAX_HOLD", 0)  # decide every round: a slow machine's decision would hold the due one
     log = io.StringIO()
     s = Scheduler()
     s._log = log

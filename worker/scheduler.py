@@ -267,7 +267,7 @@ class CostModel:
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
         plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - STALE_GAP]
-        if key[1] and plain and self.rounds - self.newest((key[0], 0, 0)) <= RATIO_NEAR:
+        if key[1] and len(plain) >= MIN_SAMPLES and self.rounds - self.newest((key[0], 0, 0)) <= RATIO_NEAR:
             ratios = self.ratios.setdefault(key, [])
             ratios.append(seconds / _median(plain))
             del ratios[:-WINDOW]
@@ -291,7 +291,9 @@ class CostModel:
         what is measured (a k = 1 figure kept from a fast spell against plain rounds of a slow one,
         44 ms against 36 before, had kept one request drafting where it lost; forgotten, it would be
         priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was tried
-        again after every MAX_AGE rounds)."""
+        again after every MAX_AGE rounds). A ratio is taken against a plain cell of MIN_SAMPLES
+        rounds or more: on the H200 one slow early plain round (8.7 ms, steady 6.0) priced k = 8 at
+        2.1× plain once its own rounds went stale, where it cost 3.8×, and α = 0.6 drafted 8 deep."""
         live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
         live.update(self._plain_from_drafting())
         for key, v in live.items():
