@@ -402,12 +402,11 @@ def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[floa
         s.observe_round(costs[2], True)
 
 
-def test_a_plain_cell_of_few_rounds_is_measured_again_soon(monkeypatch):
+def test_a_plain_cell_of_few_rounds_is_measured_again_soon():
     """An engine's first plain round (38 ms, against 31 ms steady) was the plain cell's only one,
     and k = 1 (44 ms) drafted 100 rounds at α = 0.3 before PLAIN_GAP let plain rounds be measured
     again. While the plain cell has fewer than MIN_SAMPLES rounds, plain rounds are explored
     every FEW_PLAIN_GAP drafting rounds, and the fresh figures stop the drafting."""
-    monkeypatch.setattr(scheduler, "MAX_HOLD", 0)  # decide every round: a slow machine's decision would hold the due one
     log = io.StringIO()
     s = Scheduler()
     s._log = log
@@ -770,6 +769,28 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     every = everys[budgets.index(1)]
     assert every % (MAX_HOLD + 1) != 0  # the probe falls due within a hold
     assert budgets[: every + 1] == [0] * every + [1]  # the hold does not delay it
+
+
+def test_a_due_plain_exploration_ends_a_drafting_hold(tmp_path):
+    """Against microsecond rounds a drafting decision holds for MAX_HOLD rounds; the plain rounds
+    due every PLAIN_GAP drafting rounds come on time all the same (on a slow machine a hold of a
+    few rounds had put them off, where the decision took 0.5 ms against a 46 ms round)."""
+    log = tmp_path / "log.jsonl"
+    s = Scheduler(b_max=1, log_path=str(log))
+    s.cost.cells = {(1, 0, 0): [(1, 1.0e-6)] * 3, (1, 1, 1): [(1, 1.26e-6)] * 9}  # k = 1 pays, by less than 1.25×
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
+    budgets: list[int] = []
+    for i in range(PLAIN_GAP + 2):
+        k = s.plan(["r"], 1)[0]
+        if k:
+            s.observe_cycle("r", k, int(i % 3 == 0))
+        s.observe_round(1.26e-6 if k else 1.0e-6, True)
+        budgets.append(k)
+    s.flush_log()
+    assert budgets[:PLAIN_GAP] == [1] * PLAIN_GAP and budgets[PLAIN_GAP] == 0
+    assert sum(bool(json.loads(x).get("held")) for x in log.read_text().splitlines()) >= PLAIN_GAP // 2  # it held
 
 
 def test_an_unlucky_spell_does_not_stop_drafting_for_good(tmp_path):

@@ -667,7 +667,8 @@ class Scheduler:
         elif self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
         elif self._held and self._held[0] == joint_ids and self._hold_left > 0 and not self._probe_hit \
-                and (self.rounds_without_draft < self._probe_every or any(self._held[1])):
+                and (self.rounds_without_draft < self._probe_every or any(self._held[1])) \
+                and not (any(self._held[1]) and self._plain_due(n_requests)):
             self._hold_left -= 1
             lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
             if self._log:
@@ -717,8 +718,7 @@ class Scheduler:
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
         behind = [b or a for b, a in zip(behind, ahead)]
         stop_s = restart if not any(ahead) else 0.0
-        gap = self._plain_every.get(n_requests, PLAIN_GAP) if counts.get(f"{n_requests},0,0", 0) >= MIN_SAMPLES else FEW_PLAIN_GAP
-        explore = self.cost.rounds - self.cost.newest((n_requests, 0, 0)) >= gap
+        explore = self._plain_due(n_requests, counts.get(f"{n_requests},0,0", 0))
         draft_step = self.cost.draft_step(n_requests)
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step)
         if d["budget"]:
@@ -732,6 +732,14 @@ class Scheduler:
                           "draft_step_s": draft_step, **d})
         d["probe"], d["decide_s"] = probe, decide_s
         return d
+
+    def _plain_due(self, n: int, plain_rounds: int | None = None) -> bool:
+        """Plain rounds of n requests are due to be measured again (see `plain_probe_interval`);
+        `plain_rounds`: the plain cell's count (None: its rounds kept, as a hold checks it)."""
+        if plain_rounds is None:
+            plain_rounds = len(self.cost.cells.get((n, 0, 0), ()))
+        gap = self._plain_every.get(n, PLAIN_GAP) if plain_rounds >= MIN_SAMPLES else FEW_PLAIN_GAP
+        return self.cost.rounds - self.cost.newest((n, 0, 0)) >= gap
 
     def _stop_seconds(self, table: dict[str, float], counts: dict[str, int], n: int) -> float:
         """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
@@ -751,7 +759,8 @@ class Scheduler:
         """Further rounds a decision governs: none where a round costs much more than deciding
         (the embedded model's 50 ms), up to MAX_HOLD where it does not (a tiny model's 2 ms round
         against 0.1-0.2 ms of Python), judged by the chosen round's estimated cost. A probe is one
-        round; a new or finished request or a due probe ends a hold; room caps apply every round."""
+        round; a new or finished request, a due probe or a due plain exploration ends a hold; room
+        caps apply every round."""
         if d["probe"]:
             return 0
         cost = next(c["cost"] for c in d["candidates"] if c["B"] == d["budget"])
