@@ -24,6 +24,8 @@ ALPHAS = (0.6, 0.8, 0.95)
 KS = (0, 1, 2, 4, 8)  # k = 0: the joint path's own plain cycles (its overhead over mlx-lm's loop)
 FORWARD_TOKENS = (1, 2, 4, 8, 16)
 GOALS = dict(roofline=0.40, joint_vs_plain=1.5, adaptive_vs_best=0.95, adaptive_vs_plain=0.97)
+WARMUP_RUNS = 2  # unmeasured runs of each configuration first, as `bench sched` does: the goals are about a
+                 # server's steady state (after one, the adaptive scheduler had seen 4-15 position-1 drafts)
 
 
 def run_gpu(args: argparse.Namespace) -> int:
@@ -160,8 +162,9 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
     run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731
                                           recovery, k, vocab, scheds[name], forced)
-    for name, k in configs:
-        run(name, k)  # warm-up: shapes compile, the scheduler learns
+    for _ in range(WARMUP_RUNS):  # shapes compile, the scheduler learns
+        for name, k in configs:
+            run(name, k)
     runs: dict = {name: [] for name, _ in configs}
     paired: dict = {name: [] for name, _ in configs}  # the mean of the plain runs either side of each run
     for rep in range(args.repeats):

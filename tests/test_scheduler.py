@@ -18,7 +18,7 @@ from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
 from worker import scheduler_sim as sim
-from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, RATIO_NEAR, SPELL_FACTOR, STALE_GAP, WINDOW, CostModel, Scheduler, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -74,22 +74,26 @@ def test_cost_model_keeps_only_complete_rounds():
     for t in (0.010, 0.012, 0.011, 0.5):  # 0.5 is a stall
         cm.observe((1, 0, 0), t)
     cm.commit()
-    assert cm.table() == {"1,0,0": pytest.approx(0.0105)} and cm.set_apart[-1][2] == "stall"
+    # the fourth round reads a pace of 1.1 against the cell's median (0.010): every figure × 1.1
+    assert cm.pace == pytest.approx(1.1) and cm.table() == {"1,0,0": pytest.approx(0.011)}
+    assert cm.set_apart[-1][2] == "stall"
     cm.observe((1, 1, 1), 0.02)
     for _ in range(MAX_AGE - 1):
         cm.observe((1, 0, 0), 0.010)
     cm.commit()
     assert cm.counts() == {"1,0,0": WINDOW, "1,1,1": 1}
     cm.observe((1, 0, 0), 0.010)
-    cm.commit()  # (1, 1, 1) was last measured MAX_AGE rounds ago: its round expires ...
-    assert cm.counts() == {"1,0,0": WINDOW, "1,1,1": 1}
-    assert cm.table()["1,1,1"] == pytest.approx(0.02 / 0.0105 * 0.010)  # ... its ratio to plain stays
-    empty = CostModel()
-    empty.observe((1, 1, 1), 0.02)
+    cm.commit()  # (1, 1, 1)'s one round was measured MAX_AGE rounds ago: it expires
+    assert cm.counts() == {"1,0,0": WINDOW}
+    kept = CostModel()  # a cell of MIN_SAMPLES rounds keeps them, priced at today's pace
+    for _ in range(MIN_SAMPLES):
+        kept.observe((1, 1, 1), 0.02)
     for _ in range(MAX_AGE):
-        empty.observe((1, 2, 2), 0.03)
-    empty.commit()
-    assert empty.counts() == {"1,2,2": WINDOW}  # nothing plain to scale by: expired for good
+        kept.observe((1, 0, 0), 0.010)
+    for _ in range(PACE_WINDOW):
+        kept.observe((1, 0, 0), 0.012)
+    kept.commit()
+    assert kept.counts()["1,1,1"] == MIN_SAMPLES and kept.table()["1,1,1"] == pytest.approx(0.024)
     s = Scheduler()
     s.plan(["a"], 1)
     s.observe_round(1.0, complete=False, reason="prefill")
@@ -117,11 +121,12 @@ def test_a_cell_measured_again_after_a_long_gap_starts_anew():
     assert decide([[0.5]] * 4, 4, late.table(), 16, counts=late.counts())["budget"] == 4
 
 
-def test_a_ratio_to_plain_is_taken_only_against_a_plain_cell_of_min_samples_rounds():
+def test_the_pace_is_read_only_against_a_cell_of_min_samples_rounds():
     """H200, α = 0.6: one plain round at the engine's start (8.7 ms; steady ones 6.0) was all the
-    plain cell held when k = 8 was first measured (18.4 ms); once those rounds went stale, k = 8 was
-    priced by that ratio at 12.6 ms, 2.1× plain, and drafted 8 deep at 23 ms a round. A ratio is
-    taken against MIN_SAMPLES plain rounds or more."""
+    plain cell held when k = 8 was first measured (18.4 ms); set against it, the steady plain
+    rounds would read a pace of 0.69, price k = 8 at 12.6 ms, 2.1× plain, where it costs 3.1×,
+    and α = 0.6 drafted 8 deep at 23 ms a round. A round's pace is read against MIN_SAMPLES rounds
+    of its cell or more; as many slow rounds are a slow spell."""
     def run(plain_rounds: int) -> CostModel:
         cm = CostModel()
         for _ in range(plain_rounds):
@@ -133,42 +138,45 @@ def test_a_ratio_to_plain_is_taken_only_against_a_plain_cell_of_min_samples_roun
         cm.commit()
         return cm
     one, enough = run(1), run(MIN_SAMPLES)
-    assert one.table()["1,8,8"] == pytest.approx(0.0184)  # its own rounds, not 0.0184 / 0.0087 × 0.0060
+    assert one.pace == 1.0 and one.table()["1,8,8"] == pytest.approx(0.0184)  # not 0.0184 / 0.0087 × 0.0060
     assert enough.table()["1,8,8"] == pytest.approx(0.0184 / 0.0087 * 0.0060)
     priced = [estimate(cm.table(), 1, 8, 8, cm.counts()) for cm in (one, enough)]
     assert priced[0] > 1.3 * priced[1] and priced[0] > 2.9 * 0.0060  # near what it cost, not 2.1× plain
 
 
-def test_a_round_far_under_its_cells_median_starts_it_anew_after_a_shorter_gap():
-    """distilled ×4: k = 1 (4 requests) measured in a slow spell stood at 177-204 ms through plain
-    stretches while each probe's fresh round read 132-155; probes came every 16-30 rounds, under
-    STALE_GAP, so each fresh round only joined the slow ones. A drafting round at SPELL_FACTOR of its
-    cell's median or less, RATIO_NEAR rounds or more after the cell's last, is another spell's: the
-    cell starts anew. Back to back, or not that much cheaper, rounds pool; the plain cell has its
-    own rules (`_cap_plain`, `_plain_from_drafting`)."""
-    def run(gap: int, fresh: float, key=(4, 4, 1), other=(4, 0, 0)) -> CostModel:
+def test_cells_measured_in_different_spells_compare_through_the_pace():
+    """H200, α = 0.6 (run C of the twenty-second session): k = 5 measured at 15.5 ms beside plain
+    rounds of 6.0 (k = 1 at 13.0), then the host slowed and plain rounds read 9.5 ms. Priced raw,
+    k = 5 cost 1.63 plain rounds, and it drafted through two runs where it lost; with the pace
+    (9.5 ÷ 6.0) k = 5 costs 2.58 and k = 1 2.17, and plain rounds go on. Back at the old pace, so is k = 5's
+    figure; one cell's rounds alone (k = 5 in a slow spell after plain rounds) move the pace and
+    carry the plain figure with them."""
+    def run(spell: list[tuple[tuple, float]]) -> CostModel:
         cm = CostModel()
-        for _ in range(8):
-            cm.observe(key, 0.190)
-        for _ in range(gap):
-            cm.observe(other, 0.110)
-        cm.observe(key, fresh)
+        for _ in range(6):
+            for _ in range(4):
+                cm.observe((1, 0, 0), 0.0060)
+            cm.observe((1, 1, 1), 0.0130)
+            cm.observe((1, 5, 5), 0.0155)
+        for key, t in spell:
+            cm.observe(key, t)
         cm.commit()
         return cm
-    spell = run(RATIO_NEAR + 1, 0.140)
-    assert spell.table()["4,4,1"] == pytest.approx(0.140) and spell.counts()["4,4,1"] == 1
-    assert run(RATIO_NEAR - 1, 0.140).counts()["4,4,1"] == 9  # too soon after the last
-    assert run(RATIO_NEAR + 1, 0.170).counts()["4,4,1"] == 9  # cheaper, but within the spell's spread
-    assert run(0, 0.140).counts()["4,4,1"] == 9  # back to back
-    assert run(RATIO_NEAR + 1, 0.080, (4, 0, 0), (4, 4, 1)).counts()["4,0,0"] == 9  # plain: not so
-    assert decide([[0.45]] * 4, 4, spell.table(), 16, counts=spell.counts())["budget"] == 4
-    assert decide([[0.45]] * 4, 4, run(RATIO_NEAR - 1, 0.140).table(), 16)["budget"] == 0
+    slow = run([((1, 0, 0), 0.0095)] * 20)
+    assert slow.pace == pytest.approx(0.0095 / 0.0060)
+    assert slow.table()["1,5,5"] == pytest.approx(0.0155 * 0.0095 / 0.0060)
+    assert decide([[0.6] * 5], 1, slow.table(), 8, counts=slow.counts())["budget"] == 0
+    raw = {"1,0,0": 0.0095, "1,1,1": 0.0130, "1,5,5": 0.0155}
+    assert decide([[0.6] * 5], 1, raw, 8, counts={"1,0,0": 20, "1,1,1": 6, "1,5,5": 6})["budget"] > 0  # it drafted
+    back = run([((1, 0, 0), 0.0095)] * 20 + [((1, 0, 0), 0.0060)] * 20)
+    assert back.pace == pytest.approx(1.0) and back.table()["1,5,5"] == pytest.approx(0.0155)
+    drafting = run([((1, 5, 5), 0.0155 * 1.4)] * 20)
+    assert drafting.table()["1,0,0"] == pytest.approx(0.0060 * 1.4)
 
-
-def test_a_cell_that_starts_anew_drops_its_ratios_too():
-    """Once a drafting cell's rounds expire it is priced by its ratios to the plain round; a cell
-    that started anew must not be priced later by the ratios of the spell it left (a tiny model's
-    first drafting rounds cost 6× plain, its steady ones 1.2×)."""
+def test_a_cell_that_starts_anew_keeps_nothing_of_the_rounds_it_dropped():
+    """A tiny model's first drafting rounds cost 6× plain, its steady ones 1.2×: the cell started
+    anew holds its one fresh round, which expires after MAX_AGE rounds like any figure of fewer
+    than MIN_SAMPLES rounds; the dear rounds do not come back."""
     cm = CostModel()
     for _ in range(3):
         cm.observe((1, 0, 0), 0.003)
@@ -177,10 +185,12 @@ def test_a_cell_that_starts_anew_drops_its_ratios_too():
     for _ in range(STALE_GAP + 1):
         cm.observe((1, 0, 0), 0.003)
     cm.observe((1, 1, 1), 0.004)
+    cm.commit()
+    assert cm.counts()["1,1,1"] == 1 and cm.table()["1,1,1"] == pytest.approx(0.004)
     for _ in range(MAX_AGE):
         cm.observe((1, 0, 0), 0.003)
     cm.commit()
-    assert cm.counts()["1,1,1"] == 1 and cm.table()["1,1,1"] == pytest.approx(0.004)
+    assert "1,1,1" not in cm.table()
 
 
 def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
@@ -189,7 +199,8 @@ def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
     acceptance of 0.35 the old k = 1 figure (53.5 ms) would keep drafting, 13% worse than plain
     at today's speed; unmeasured for STALE_GAP rounds, it is priced by its ratio to the plain
     round, and drafting stops. And the other way: a faster spell makes the stale drafting figure
-    cheaper with it (at 0.6 it then pays). Within STALE_GAP rounds its own rounds price it."""
+    cheaper with it (at 0.6 it then pays). The pace follows the plain rounds, so the drafting
+    figure follows them at once, before it is stale."""
     def run(plain_now: float) -> CostModel:
         cm = CostModel()
         for _ in range(WINDOW):
@@ -212,16 +223,17 @@ def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
     for t in [0.036] * WINDOW + [0.0535] * 5 + [0.044] * (STALE_GAP - 1):
         recent.observe((1, 0, 0) if t != 0.0535 else (1, 1, 1), t)
     recent.commit()
-    assert recent.table()["1,1,1"] == pytest.approx(0.0535)
+    assert recent.table()["1,1,1"] == pytest.approx(0.0535 * 0.044 / 0.036, rel=0.03)
 
 
 def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
     """The other way round, as a whole run's log showed it at α = 0.3: plain rounds of 31 ms,
     probes of k = 1 at 46 ms beside them, then a slow spell of plain rounds at 41 ms, after which
     the machine ran at its normal pace again while k = 1 was chosen (46 ms against the stale 41,
-    it led at 0.3). Unmeasured for STALE_GAP rounds, the plain cell is priced by the k = 1 rounds
-    since, each ÷ k = 1's ratio to the plain round measured beside it (1.48), and drafting stops;
-    the k = 1 rounds right after the slow spell, set against it, do not move that ratio."""
+    it led at 0.3). The k = 1 rounds read the pace back at 1.0 within PACE_WINDOW rounds, and the
+    plain figure follows; unmeasured for STALE_GAP rounds, it is also priced by the k = 1 rounds
+    since, each ÷ k = 1's ratio to the plain round measured beside it (1.48). Either way drafting
+    stops; the k = 1 rounds right after the slow spell, set against it, do not move that ratio."""
     def run(after: int) -> CostModel:
         cm = CostModel()
         for _ in range(12):  # probes among plain rounds
@@ -237,10 +249,10 @@ def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
     late, soon = run(STALE_GAP + 2), run(STALE_GAP - 2)
     assert late.table()["1,0,0"] == pytest.approx(0.031, rel=0.02)
     assert decide([[0.3]], 1, late.table(), 8, counts=late.counts())["budget"] == 0
-    assert soon.table()["1,0,0"] == pytest.approx(0.041)  # within STALE_GAP its own rounds price it
-    assert decide([[0.3]], 1, soon.table(), 8, counts=soon.counts())["budget"] == 1
-    assert len(late.ratios[(1, 1, 1)]) == 12 + RATIO_NEAR  # rounds far from a plain one form no ratio
-    wild = CostModel()  # ratios 5× off (first rounds 5× dearer) move the figure PACE_BOUND at most
+    assert soon.table()["1,0,0"] == pytest.approx(0.031, rel=0.02)  # the pace, before the rounds are stale
+    assert decide([[0.3]], 1, soon.table(), 8, counts=soon.counts())["budget"] == 0
+    assert soon.pace == pytest.approx(1.0) and run(PACE_WINDOW // 2 - 1).pace == pytest.approx(0.041 / 0.031)
+    wild = CostModel()  # a cell's first rounds 5× its steady ones move the pace PACE_BOUND at most
     for _ in range(8):
         wild.observe((1, 0, 0), 0.031)
     for _ in range(5):
@@ -526,6 +538,23 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(gpu, 1, first=[0.5]) == probe_interval(gpu, 1, first=[1.0]) == HOPELESS_EVERY
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
     assert d["allocation"] == [1, 1, 0] and d["budget"] == 2  # the third request has no room
+
+
+def test_a_probe_drafts_the_best_drafting_allocation_where_it_is_deeper():
+    """The H200's 0.8 B draft: k = 1 costs 2.3 plain rounds and k = 8 3.1, so a k = 1 probe can
+    never pay and never observes the deeper positions; in simulation three early misses at
+    positions 2-3 kept α = 0.8 plain for whole runs (0.68-0.78 of k = 8). A probe drafts what the
+    best drafting candidate would (here 3 deep), at least one token for each request, and is
+    priced by that candidate; where k = 1 is the best drafting candidate (the CPU), it is k = 1."""
+    gpu = {"1,0,0": 0.0060, "1,1,1": 0.0140, "1,8,8": 0.0185}
+    d = decide([[0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], 1, gpu, 8, probe=True)
+    assert _best(d["candidates"])["B"] == 0 and d["allocation"] == [3]  # 2.0 tokens for 15.3 ms (interpolated)
+    assert decide([[0.6] * 8], 1, gpu, 8)["allocation"] == [0]  # no probe: plain
+    cpu = {"4,0,0": 0.123, "4,4,1": 0.160, "4,8,2": 0.230}
+    assert decide([[0.2, 0.2]] * 4, 4, cpu, 8, probe=True)["allocation"] == [1, 1, 1, 1]
+    deep = _best_drafting(d["candidates"])
+    shallow = probe_interval(gpu, 1, first=[0.6])  # priced as a k = 1 probe: 14 ms for 1.6 tokens
+    assert (shallow, probe_interval(gpu, 1, first=[0.6], drafting=deep)) == (37, 25)  # 15.3 ms for 2.0 tokens loses less
     s = Scheduler()
     s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.015)] * 5}
     for _ in range(100):

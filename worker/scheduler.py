@@ -180,10 +180,8 @@ FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rou
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this: a stale plain figure flips
                        # no wider lead (α = 0.9, 4 requests, 2.8×: exploring each batch's tail cost 3%)
 FEW_ROUNDS = 2 * MIN_SAMPLES  # a deeper drafting cell measured fewer times, then left STALE_GAP rounds, is tried again
-RATIO_NEAR = 8  # a drafting round is set against the plain rounds only this close to one (their pace may change)
-SPELL_FACTOR = 0.85  # a drafting cell's round this far under its median, RATIO_NEAR rounds or more after the last, starts it anew
-                     # (distilled ×4: k = 1 priced at 177-204 ms from a slow spell while probes read 132-155)
-PACE_BOUND = 1.5  # ... and a plain figure priced so moves at most this factor (the pace drifts ±20-30%)
+PACE_BOUND = 1.5  # one round's reading moves the pace at most this factor (the host's spells: ±30% a run)
+PACE_WINDOW = 8  # rounds whose pace (time ÷ its cell's normalised median) the machine's pace is the median of
 SET_APART_KEPT = 1024  # set-apart rounds remembered (catch-up costs are read from them)
 
 
@@ -194,7 +192,7 @@ def _median(xs: Sequence[float]) -> float:
 
 
 class CostModel:
-    """A table C(N, B, D) of median round times over a sliding window.
+    """A table C(N, B, D) of median round times over a sliding window, at the machine's pace.
 
     A table, not fitted parts: measured costs are staircases (kernel tiles, cache lines, BLAS
     paths, the first drafted token's padding of every verify row), and a round's cost is what
@@ -209,30 +207,41 @@ class CostModel:
     more than the measured draft step a depth (`draft_step`: a depth more costs at least its draft
     step, and its verify may cost no more), so that a deeper draft that might pay gets tried and
     is then priced by its own measurement. Noise is
-    bounded where the work is known to be ordered (see `estimate`). A measurement expires after
-    MAX_AGE timed rounds; a drafting cell unmeasured for STALE_GAP rounds is priced by its
-    ratio to the plain round (see `_live`), so its figure follows a change of load. A stale cell
-    dearer than one that does more work is priced by its neighbours (see `_contradicted`). A cell
+    bounded where the work is known to be ordered (see `estimate`). A cell's figure follows a
+    change of load through the pace (below); a cell of fewer than MIN_SAMPLES rounds loses them
+    after MAX_AGE timed rounds (see `_live`). A stale cell dearer than one that does more work is
+    priced by its neighbours (see `_contradicted`). A cell of fewer than FEW_ROUNDS rounds,
     measured again after STALE_GAP rounds without a measurement, cheaper than its median, starts
-    anew, its ratios with it (a drafting cell after RATIO_NEAR rounds already, if at SPELL_FACTOR
-    of its median or less): its rounds came from another spell (a batch's first rounds cost more
-    than its later ones), and a probe's one fresh round must be able to move a cell that a few early rounds
-    priced out, which nothing else would re-measure. A dearer fresh round only joins the others:
+    anew: a batch's first rounds cost more
+    than its later ones, and a probe's one fresh round must be able to move a cell that a few
+    early rounds priced out, which nothing else would re-measure (a cell of more rounds keeps
+    them: its figure, normalised, is what the pace is read against). A dearer fresh round only joins the others:
     a probe's round is itself a little dearer than a steady one (the first of its shape after
     plain rounds), and an estimate too cheap corrects itself by the drafting it brings about.
     Fed one round late: `observe` holds a round until the next `commit`, so a round that is
     later found interrupted (`interrupt`) never enters the table.
+
+    Every figure is kept normalised by the machine's pace (`pace`): the median, over the last
+    PACE_WINDOW complete rounds of cells measured MIN_SAMPLES times, of each round's time ÷ its
+    cell's normalised median. A round is stored as its time ÷ the pace then, and every cell is
+    priced at its normalised median × the pace now, so cells measured in different spells of the
+    host's pace compare as if measured together (on the H200 the host moved plain rounds 6 → 9.5
+    ms within a run, and k = 5's figure from the fast spell drafted α = 0.6 5-8 deep in the slow
+    one, where it lost: 0.86 of the best fixed k). While one cell alone is measured, the pace
+    follows its rounds and the other cells' figures follow the pace: one cell cannot tell a change
+    of pace from a change of its own cost, so the others keep their ratios to it.
     """
 
     PRIOR_SLOPE = 0.25  # guessed extra cost of one more draft depth, relative to a plain round
 
     def __init__(self):
         self.cells: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # (round, seconds)
-        self.ratios: dict[tuple[int, int, int], list[float]] = {}  # seconds ÷ the plain round's median then
         self.rounds = 0
         self.pending: tuple | None = None
         self.set_apart: deque = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
         self.draft_steps: dict[int, deque] = {}  # by N: a drafting round's drafting seconds ÷ its depth
+        self.pace = 1.0  # the machine's pace now, against the normalised figures' (see above)
+        self.paces: deque = deque(maxlen=PACE_WINDOW)  # the last rounds' own paces
 
     def observe(self, key: tuple[int, int, int], seconds: float, draft_s: float = 0.0) -> None:
         self.commit()
@@ -241,36 +250,40 @@ class CostModel:
 
     def interrupt(self, reason: str) -> None:
         if self.pending is not None:
-            self.set_apart.append((*self.pending[:2], reason))
+            self.set_aside(*self.pending[:2], reason)
             self.pending = None
+
+    def set_aside(self, key: tuple[int, int, int], seconds: float, reason: str) -> None:
+        """Records a round's time (or a switching cost) apart from the table, normalised."""
+        self.set_apart.append((key, seconds / self.pace, reason))
 
     def draft_step(self, n: int) -> float | None:
         """Median drafting seconds a depth of rounds with n requests (None: none measured)."""
         steps = self.draft_steps.get(n)
-        return _median(steps) if steps else None
+        return _median(steps) * self.pace if steps else None
 
     def commit(self) -> None:
         if self.pending is None:
             return
-        key, seconds, draft_s = self.pending
+        key, raw, draft_s = self.pending
         self.pending = None
         cell = self.cells.setdefault(key, [])
+        seconds = raw / self.pace
         gap, median = (self.rounds - cell[-1][0], _median([t for _, t in cell])) if cell else (0, 0.0)
-        if (gap > STALE_GAP and seconds < median) or (key[1] and gap > RATIO_NEAR and seconds < SPELL_FACTOR * median):
-            cell.clear()  # cheaper than in another spell (the start of a batch, another load): start anew
-            self.ratios.pop(key, None)  # ... and so do its ratios, which would price it once its rounds expire
-        if len(cell) >= 3 and seconds > STALL_FACTOR * _median([t for _, t in cell]):
+        if gap > STALE_GAP and seconds < median and len(cell) < FEW_ROUNDS:
+            cell.clear()  # a few early rounds (the start of a batch) priced it out: start anew
+        if len(cell) >= 3 and seconds > STALL_FACTOR * median:
             self.set_apart.append((key, seconds, "stall"))
             return
+        if len(cell) >= MIN_SAMPLES:  # the pace this round shows, against its cell's figure, moving PACE_BOUND at most
+            pace = raw / _median([t for _, t in cell])  # (a cell's first rounds 5× its steady ones read as 5× the pace)
+            self.paces.append(min(max(pace, self.pace / PACE_BOUND), self.pace * PACE_BOUND))
+            self.pace = _median(self.paces)
+            seconds = raw / self.pace
         if key[2] and draft_s > 0:
-            self.draft_steps.setdefault(key[0], deque(maxlen=WINDOW)).append(draft_s / key[2])
+            self.draft_steps.setdefault(key[0], deque(maxlen=WINDOW)).append(draft_s / self.pace / key[2])
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
-        plain = [t for r, t in self.cells.get((key[0], 0, 0), []) if r > self.rounds - STALE_GAP]
-        if key[1] and len(plain) >= MIN_SAMPLES and self.rounds - self.newest((key[0], 0, 0)) <= RATIO_NEAR:
-            ratios = self.ratios.setdefault(key, [])
-            ratios.append(seconds / _median(plain))
-            del ratios[:-WINDOW]
 
     def newest(self, key: tuple[int, int, int]) -> int:
         """The round of the cell's newest measurement (0: none)."""
@@ -282,24 +295,15 @@ class CostModel:
         a draft's catch-up, on the prompt or on the rounds it sat out: the catch-up alone where it
         was timed apart, else the whole round)."""
         xs = [t for key, t, why in self.set_apart if why in reasons and key[0] == n][-WINDOW:]
-        return _median(xs) if xs else None
+        return _median(xs) * self.pace if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
-        """Each cell's unexpired rounds; a drafting cell unmeasured for STALE_GAP rounds (its rounds
-        expired or not) is priced by its ratio to the plain round measured alongside, times the
-        plain round's median now, so its figure follows the machine's load while plain rounds are
-        what is measured (a k = 1 figure kept from a fast spell against plain rounds of a slow one,
-        44 ms against 36 before, had kept one request drafting where it lost; forgotten, it would be
-        priced as unmeasured, optimistically, and a drafting round 4× as dear as plain was tried
-        again after every MAX_AGE rounds). A ratio is taken against a plain cell of MIN_SAMPLES
-        rounds or more: on the H200 one slow early plain round (8.7 ms, steady 6.0) priced k = 8 at
-        2.1× plain once its own rounds went stale, where it cost 3.8×, and α = 0.6 drafted 8 deep."""
-        live = {key: [t for r, t in v if r > self.rounds - MAX_AGE] for key, v in sorted(self.cells.items())}
-        live.update(self._plain_from_drafting())
-        for key, v in live.items():
-            plain = live.get((key[0], 0, 0))
-            if key[1] and plain and self.ratios.get(key) and self.rounds - self.newest(key) > STALE_GAP:
-                live[key] = [x * _median(plain) for x in self.ratios[key]]
+        """Each cell's rounds, normalised: a cell of fewer than MIN_SAMPLES rounds loses them after
+        MAX_AGE rounds (a figure never trusted, and never read against for the pace, is measured
+        again rather than kept); one of more keeps them, priced at today's pace, so a drafting
+        round 4× as dear as plain is not tried again each MAX_AGE rounds as if unmeasured."""
+        live = {key: [t for r, t in v if len(v) >= MIN_SAMPLES or r > self.rounds - MAX_AGE]
+                for key, v in sorted(self.cells.items())}
         self._cap_plain(live)
         return {key: v for key, v in live.items() if v}
 
@@ -312,9 +316,10 @@ class CostModel:
         as paying, and it drafted for 311 rounds until plain rounds were explored again. A cap set
         too low prices drafting out, and the plain rounds that follow measure the plain cell again."""
         for n in {key[0] for key in live}:
-            plain, step = live.get((n, 0, 0)), self.draft_step(n)
-            if not plain or step is None:
+            plain, steps = live.get((n, 0, 0)), self.draft_steps.get(n)
+            if not plain or not steps:
                 continue
+            step = _median(steps)  # normalised, as the cells are
             since = self.newest((n, 0, 0))
             bounds = []
             for (kn, b, d), cell in self.cells.items():
@@ -325,34 +330,9 @@ class CostModel:
             if cap is not None and 0 < cap < _median(plain):
                 live[(n, 0, 0)] = [min(t, cap) for t in plain]
 
-    def _plain_from_drafting(self) -> dict[tuple[int, int, int], list[float]]:
-        """The other way round: a plain cell unmeasured for STALE_GAP rounds while a drafting cell
-        of its N was measured (MIN_SAMPLES rounds since) is priced by that cell's rounds since,
-        each ÷ its ratio to the plain round: both follow the machine's pace, and each priced by
-        its own rounds, one is stale. In a whole run the plain round's first rounds (44 ms, cold,
-        against 35 steady), kept through 100 rounds of drafting, kept k = 1 drafting into the
-        α = 0.2 third of the schedule. A ratio is taken only near a plain round (RATIO_NEAR), so
-        rounds set against a stale plain figure cannot carry it on; and the figure moves at most
-        PACE_BOUND either way (a batch's tail, one request left, priced its plain round at 5 ms
-        from ratios to rounds that only waited for a token computed ahead, set apart now: see
-        "last plain round" in worker/engine.py)."""
-        out = {}
-        for (n, b, d), cell in self.cells.items():
-            since = self.newest((n, 0, 0))
-            if b or not cell or self.rounds - since <= STALE_GAP:
-                continue
-            fresh = {key: [t for r, t in v if r > since] for key, v in self.cells.items()
-                     if key[0] == n and key[1] and len(self.ratios.get(key, ())) >= MIN_SAMPLES}
-            key = max(fresh, key=lambda k: (len(fresh[k]), self.newest(k)), default=None)
-            if key is not None and len(fresh[key]) >= MIN_SAMPLES:
-                stale = _median([t for _, t in cell])
-                out[(n, 0, 0)] = [min(max(t / _median(self.ratios[key]), stale / PACE_BOUND), stale * PACE_BOUND)
-                                  for t in fresh[key]]
-        return out
-
     def table_and_counts(self) -> tuple[dict[str, float], dict[str, int]]:
         live = self._live()
-        table = {f"{n},{b},{d}": _median(v) for (n, b, d), v in live.items()}
+        table = {f"{n},{b},{d}": _median(v) * self.pace for (n, b, d), v in live.items()}
         counts = {f"{n},{b},{d}": len(v) for (n, b, d), v in live.items()}
         for key in self._contradicted(table, counts) + self._seldom_measured(table):
             counts[key] = 0
@@ -544,7 +524,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     if explored:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
-        lengths = [int(bool(row)) for row in surv]  # one token for every request that has room
+        drafting = _best_drafting(candidates)
+        widest = allocate(surv, drafting["B"]) if drafting else [0] * len(surv)
+        lengths = [max(k, int(bool(row))) for k, row in zip(widest, surv)]  # at least one token for each request with room
         budget = sum(lengths)
     return {"survival": surv, "candidates": candidates, "budget": budget, "allocation": lengths, "explored": explored}
 
@@ -553,13 +535,22 @@ def _best(candidates: list[dict]) -> dict:
     return max(candidates, key=lambda c: (c["objective"], -c["B"]))  # equal objectives: the smaller budget
 
 
+def _best_drafting(candidates: list[dict]) -> dict | None:
+    """The best candidate that drafts (what a probe drafts: where k = 1 costs nearly what k = 8
+    does, as the 0.8 B draft's rounds do on the H200, a k = 1 probe can never pay, loses more than
+    a deep one, and never observes the deeper positions that decide whether drafting pays)."""
+    return _best([c for c in candidates if c["B"]]) if len(candidates) > 1 else None
+
+
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
                    catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
-                   behind: bool = False, restart: float = 0.0) -> int:
-    """Plain rounds between probes. A probe drafts one token for each joint request (`first`:
-    their position-1 estimates), so a change of text shows in one round, not one request's in
-    turn, and the drafting round's cost is measured again. Its expected loss is its cost less the
-    plain time of the tokens it expects (N + the sum of `first`); probes come as often as keeps
+                   behind: bool = False, restart: float = 0.0, drafting: dict | None = None) -> int:
+    """Plain rounds between probes. A probe drafts at least one token for each joint request
+    (`first`: their position-1 estimates), so a change of text shows in one round, not one
+    request's in turn, and the drafting round's cost is measured again; it drafts the best drafting
+    candidate's allocation where that is wider (`drafting`: that candidate of the last decision,
+    its cost and gain). Its expected loss is its cost less the plain time of the tokens it expects
+    (N + the sum of `first`, or the candidate's gain); probes come as often as keeps
     that under PROBE_SHARE of the plain time between them. Near where drafting pays a probe costs
     next to nothing and comes every FREE_SIT_OUT rounds, before any draft would have to catch up
     (unless one is `behind` already: a new request's draft lacks its prompt); else the probe's
@@ -578,8 +569,10 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
         return PROBE_EVERY
     if not _could_pay(table, n_requests, len(first), counts, plain):
         return HOPELESS_EVERY
-    probe += (discard or 0.0) + restart
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
+    if drafting is not None and drafting["B"] > len(first):
+        probe, expected = drafting["cost"], plain * drafting["gain"] / n_requests
+    probe += (discard or 0.0) + restart
     if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
     cost = probe + (catch_up or 0.0)
@@ -647,6 +640,7 @@ class Scheduler:
         self._hold_left = 0  # rounds it still governs
         self._probe_every = PROBE_EVERY
         self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
+        self._drafting_best: dict[int, dict | None] = {}  # by N: the last decision's best drafting candidate (what a probe drafts)
         self._drafting = False  # see `drafting`
         self._probing = False  # this round is a probe
         self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
@@ -702,7 +696,7 @@ class Scheduler:
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
         self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
-                                           discard, any(behind or []), restart)
+                                           discard, any(behind or []), restart, self._drafting_best.get(n_requests))
         if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
             # a guess from a few cycles (3 early rejections at α = 0.6 read 0.14-0.20), priced by that
             # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart
@@ -721,6 +715,7 @@ class Scheduler:
         explore = self._plain_due(n_requests, counts.get(f"{n_requests},0,0", 0))
         draft_step = self.cost.draft_step(n_requests)
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step)
+        self._drafting_best[n_requests] = _best_drafting(d["candidates"])
         if d["budget"]:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
         decide_s = time.perf_counter() - t0
@@ -822,11 +817,11 @@ class Scheduler:
             self._record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
                           "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
         for why, s in (apart or {}).items():
-            self.cost.set_apart.append((self._round, s, why))
+            self.cost.set_aside(self._round, s, why)
         if complete:
             self.cost.observe(self._round, seconds, draft_s)
         else:
-            self.cost.set_apart.append((self._round, seconds, reason))
+            self.cost.set_aside(self._round, seconds, reason)
         self._round = None
 
     def interrupt(self, reason: str) -> None:

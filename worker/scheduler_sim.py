@@ -28,9 +28,26 @@ from worker import scheduler as S
 # medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
 EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
 EMBEDDED_X4 = {0: 89.7, 1: 108.4, 2: 135.5, 3: 162.0, 4: 191.5, 5: 203.0, 6: 225.0, 7: 245.0, 8: 265.0}
+# the H200's Qwen3.5-9B / 0.8B shapes in the host's fast spell (`verity bench gpu --decision-log`, 2026-12-02)
+H200_X1 = {0: 6.0, 1: 14.0, 2: 15.5, 3: 16.0, 4: 16.5, 5: 17.0, 6: 17.5, 7: 18.0, 8: 18.5}
 BATCH_SHARE = {1: 0.35, 2: 0.65, 3: 0.86, 4: 1.0}  # a batch of n costs this share of 4's (the tail of a run)
-PREFILL_S = 0.19  # a run's prefill, the same for every configuration
-CATCH_UP_S, TAKEN_S, WARM_UP_S = 0.006, 0.003, 0.004  # switching costs, seconds
+
+
+@dataclass(frozen=True)
+class Machine:
+    prefill_s: float = 0.19  # a run's prefill, the same for every configuration
+    catch_up_s: float = 0.006  # switching costs, seconds
+    taken_s: float = 0.003
+    warm_up_s: float = 0.004
+    draft_step_s: float = 0.004
+    spells: tuple = (0.9, 1.0, 1.0, 1.1, 1.2)  # the pace's factors, each for spell_s seconds
+    spell_s: tuple = (5, 30)
+    decide_s: float = 0.0005  # what a decision takes (it sets how long decisions hold: Scheduler._hold_rounds)
+
+
+CPU = Machine()
+H200 = Machine(prefill_s=0.03, catch_up_s=0.008, taken_s=0.002, warm_up_s=0.001, draft_step_s=0.0015,
+               spells=(1.0, 1.0, 1.15, 1.4, 1.6), spell_s=(1, 6), decide_s=0.0002)  # plain runs of one bench read 83-180 tok/s
 
 
 @dataclass
@@ -42,18 +59,19 @@ class Scenario:
     tokens: int = 48
     runs: int = 16
     warm_runs: int = 2
+    machine: Machine = CPU
 
 
 class Spells:
-    """The machine's pace: a factor that changes every 5-30 simulated seconds."""
+    """The machine's pace: a factor that changes every few simulated seconds (Machine.spell_s)."""
 
-    def __init__(self, rng: random.Random):
-        self.rng, self.factor, self.until = rng, 1.0, 0.0
+    def __init__(self, rng: random.Random, machine: Machine = CPU):
+        self.rng, self.machine, self.factor, self.until = rng, machine, 1.0, 0.0
 
     def at(self, now: float) -> float:
         if now >= self.until:
-            self.factor = self.rng.choice([0.9, 1.0, 1.0, 1.1, 1.2])
-            self.until = now + self.rng.uniform(5, 30)
+            self.factor = self.rng.choice(self.machine.spells)
+            self.until = now + self.rng.uniform(*self.machine.spell_s)
         return self.factor
 
 
@@ -72,7 +90,7 @@ def _hits(seed: int, position: int, k: int, alpha: float) -> int:
 
 def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells, clock: list) -> tuple[int, float]:
     """`runs` runs of sc.requests requests through the scheduler: (tokens, seconds)."""
-    tokens, seconds = 0, 0.0
+    tokens, seconds, m = 0, 0.0, sc.machine
     pipelined = sc.requests == 1
     for run in range(runs):
         reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=10**6, ahead=False, plain_run=0) for i in range(sc.requests)]
@@ -87,13 +105,13 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
                 if k:
                     got = int(r["ahead"])  # a look-ahead's token is taken as the cycle's first
                     if r["lag"] > 4:
-                        apart["draft catch-up"] = CATCH_UP_S * pace
+                        apart["draft catch-up"] = m.catch_up_s * pace
                     if r["ahead"]:
-                        apart["look-ahead taken"] = TAKEN_S * pace
+                        apart["look-ahead taken"] = m.taken_s * pace
                     n = _hits(r["seed"], r["pos"] + got, k, sc.alpha(r["pos"] + got, sc.tokens))
                     got += n + 1
                     r.update(ahead=False, plain_run=0, lag=1 if n == k else 2)
-                    draft_s += k * 0.004 * pace
+                    draft_s += k * m.draft_step_s * pace
                     sched.observe_cycle(r["id"], k, n)
                 else:
                     got, r["lag"] = 1, r["lag"] + 1
@@ -101,7 +119,7 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
                         if not r["ahead"]:
                             reason, secs = "plain pipeline start", secs + base
                         elif r["plain_run"] < S.PIPELINE_WARM_ROUNDS:
-                            reason, secs = "plain pipeline warm-up", secs + WARM_UP_S * pace
+                            reason, secs = "plain pipeline warm-up", secs + m.warm_up_s * pace
                         r["ahead"], r["plain_run"] = room[0] > 0, r["plain_run"] + 1
                 got = min(got, sc.tokens - r["pos"])
                 r["pos"] += got
@@ -113,16 +131,29 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
             for r in [r for r in reqs if r["pos"] >= sc.tokens]:
                 sched.forget(r["id"])
             reqs = [r for r in reqs if r["pos"] < sc.tokens]
-        seconds += PREFILL_S
-        clock[0] += PREFILL_S
+        seconds += m.prefill_s
+        clock[0] += m.prefill_s
     return tokens, seconds
+
+
+class DecisionClock:
+    """Stands in for the scheduler's clock, so that every decision takes Machine.decide_s and a
+    run does not depend on what else the machine running the simulation does."""
+
+    def __init__(self, decide_s: float):
+        self.now, self.step = 0.0, decide_s  # read before and after a decision
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
 
 
 def compare(sc: Scenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
     """Tokens/s of each fixed k and of adaptive, each a fresh scheduler meeting the same draws."""
     out = {}
+    S.time = DecisionClock(sc.machine.decide_s)
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
-        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1)), [0.0]
+        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), [0.0]
         sched = S.Scheduler(fixed=fixed)
         simulate(sched, sc, sc.warm_runs, rng, spells, clock)
         tokens, seconds = simulate(sched, sc, sc.runs, rng, spells, clock)
@@ -146,14 +177,21 @@ def bench_rows() -> list[Scenario]:
     return rows
 
 
+def gpu_rows() -> list[Scenario]:
+    """The adaptive rows of `verity bench gpu` (one request of 64 tokens, 4 repeats, its spells)."""
+    return [Scenario(f"H200 α={a}", lambda p, n, a=a: a, 1, H200_X1, tokens=64, runs=4, warm_runs=2, machine=H200)
+            for a in (0.6, 0.8, 0.95)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--gpu", action="store_true", help="the H200 rows of `verity bench gpu` instead")
     args = p.parse_args(argv)
-    for sc in bench_rows():
+    for sc in gpu_rows() if args.gpu else bench_rows():
         ratios = []
         for seed in range(args.seeds):
-            o = compare(sc, seed)
+            o = compare(sc, seed, (0, 4, 8) if args.gpu else (0, 1, 2, 4))
             ratios.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))
         print(f"{sc.name:18s} adaptive ÷ best fixed k (k = 0 included): median {statistics.median(ratios):.3f}, "
               f"least {min(ratios):.3f} over {args.seeds} seeds")
