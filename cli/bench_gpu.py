@@ -157,7 +157,8 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     left identical work reading 0.76-1.11 of itself."""
     from worker.scheduler import Scheduler
 
-    configs = [("adaptive" if k is None else f"k={k}", k) for k in list(args.ks) + [None]]
+    ks = [k for k in args.ks if k or recovery == "fast"]  # k = 0 drafts nothing and recovers nothing: run once
+    configs = [("adaptive" if k is None else f"k={k}", k) for k in ks + [None]]
     logs = {name: _log_path(args, f"a{alpha}-{recovery}-{name}") if k is None else None for name, k in configs}
     scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
     run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731

@@ -23,7 +23,7 @@ def test_bench_gpu_small(tmp_path):
     check = fig["fast_check"]
     assert not check["kernels_ran"] and check["logits_1_ops_vs_mlx_lm"] <= 1e-4 * check["logits_1_max_abs"]
     configs = {(j["recovery"], j["config"]) for j in fig["joint"]}
-    assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")}
+    assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")} - {("replay", "k=0")}
     assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size
     assert all(0 <= j["acceptance"] <= 1 and j["tps"] > 0 for j in fig["joint"])
     for j in fig["joint"]:  # paired with the plain run of the same repeat

@@ -822,6 +822,28 @@ def test_a_due_plain_exploration_ends_a_drafting_hold(tmp_path):
     assert sum(bool(json.loads(x).get("held")) for x in log.read_text().splitlines()) >= PLAIN_GAP // 2  # it held
 
 
+def test_a_due_plain_exploration_that_would_not_be_taken_leaves_a_hold_alone(tmp_path):
+    """Where drafting leads plain by EXPLORE_MARGIN or more, a due exploration is not taken, so it
+    does not end the hold either: on the H200 at α = 0.95 (k = 8 leading 2×) every round decided
+    again once plain rounds were due (0.6 ms of Python a decision on this CPU)."""
+    log = tmp_path / "log.jsonl"
+    s = Scheduler(b_max=1, log_path=str(log))
+    s.cost.cells = {(1, 0, 0): [(1, 1.0e-6)] * 3, (1, 1, 1): [(1, 1.1e-6)] * 9}  # k = 1 leads 1.6×
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, 1)
+    for i in range(PLAIN_GAP + 40):
+        k = s.plan(["r"], 1)[0]
+        if k:
+            s.observe_cycle("r", k, 1)
+        s.observe_round(1.1e-6 if k else 1.0e-6, True)
+    s.flush_log()
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    late = [r for r in recs if "observed" not in r and r["round"] > PLAIN_GAP + 2]
+    assert any(r.get("explore_plain") for r in recs if not r.get("held"))  # plain rounds were due ...
+    assert all(r["allocation"] == [1] for r in late) and sum(bool(r.get("held")) for r in late) >= len(late) // 2  # ... and it held
+
+
 def test_an_unlucky_spell_does_not_stop_drafting_for_good(tmp_path):
     """A draft accepted 43% of the time, where drafting pays from 25%: a spell of rejections takes
     the estimate under that, and rounds that draft nothing observe nothing. The estimates fade
