@@ -159,7 +159,7 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
 
     ks = [k for k in args.ks if k or recovery == "fast"]  # k = 0 drafts nothing and recovers nothing: run once
     configs = [("adaptive" if k is None else f"k={k}", k) for k in ks + [None]]
-    logs = {name: _log_path(args, f"a{alpha}-{recovery}-{name}") if k is None else None for name, k in configs}
+    logs = {name: _log_path(args, f"a{alpha}-{recovery}-{name.replace('=', '')}") for name, k in configs}  # fixed k's rounds beside adaptive's
     scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
     run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731
                                           recovery, k, vocab, scheds[name], forced)
@@ -195,7 +195,7 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
 
 
 def _log_path(args, name: str) -> str | None:
-    """The adaptive scheduler's decision log under --decision-log DIR (one JSON-lines file each)."""
+    """A configuration's log under --decision-log DIR (one JSON-lines file each)."""
     if not args.decision_log:
         return None
     Path(args.decision_log).mkdir(parents=True, exist_ok=True)
@@ -277,8 +277,8 @@ def add_command(benches) -> None:
                    help="Gated-DeltaNet recurrence on a CUDA GPU: one kernel a forward, or mlx-lm's per-token ops "
                         "(both are measured side by side first)")
     p.add_argument("--decision-log", metavar="DIR", default=None,
-                   help="keep each adaptive scheduler's decisions and round times here (one JSON-lines file each, for "
-                        "`verity replay`)")
+                   help="keep every configuration's round times here, and each adaptive scheduler's decisions "
+                        "(one JSON-lines file each, for `verity replay`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu)
 
