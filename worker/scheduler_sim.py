@@ -38,7 +38,8 @@ class Machine:
     prefill_s: float = 0.19  # a run's prefill, the same for every configuration
     catch_up_s: float = 0.006  # switching costs, seconds
     taken_s: float = 0.003
-    warm_up_s: float = 0.004
+    warm_up_s: float = 0.004  # each warm-up round's extra after a drafting stretch
+    first_warm_up_s: float = 0.004  # ... and after a request's start
     draft_step_s: float = 0.004
     spells: tuple = (0.9, 1.0, 1.0, 1.1, 1.2)  # the pace's factors, each for spell_s seconds
     spell_s: tuple = (5, 30)
@@ -46,8 +47,10 @@ class Machine:
 
 
 CPU = Machine()
-H200 = Machine(prefill_s=0.03, catch_up_s=0.008, taken_s=0.002, warm_up_s=0.001, draft_step_s=0.0015,
-               spells=(1.0, 1.0, 1.15, 1.4, 1.6), spell_s=(1, 6), decide_s=0.0002)  # plain runs of one bench read 83-180 tok/s
+# plain runs of one bench read 83-180 tok/s; after a drafting stretch a catch-up cost 38 ms and the plain
+# pipeline's first rounds 26, 61, 22, 58 ms against 10.5 steady (a run's first ones: steady)
+H200 = Machine(prefill_s=0.03, catch_up_s=0.020, taken_s=0.002, warm_up_s=0.020, first_warm_up_s=0.0,
+               draft_step_s=0.0015, spells=(1.0, 1.0, 1.15, 1.4, 1.6), spell_s=(1, 6), decide_s=0.0002)
 
 
 @dataclass
@@ -93,7 +96,8 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
     tokens, seconds, m = 0, 0.0, sc.machine
     pipelined = sc.requests == 1
     for run in range(runs):
-        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=10**6, ahead=False, plain_run=0) for i in range(sc.requests)]
+        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=10**6, ahead=False, plain_run=0, drafted=False)
+                for i in range(sc.requests)]
         while reqs:
             room = [max(0, sc.tokens - r["pos"] - 1 - r["ahead"]) for r in reqs]
             plan = sched.plan([r["id"] for r in reqs], len(reqs), [r["lag"] > 4 for r in reqs], room,
@@ -110,16 +114,17 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
                         apart["look-ahead taken"] = m.taken_s * pace
                     n = _hits(r["seed"], r["pos"] + got, k, sc.alpha(r["pos"] + got, sc.tokens))
                     got += n + 1
-                    r.update(ahead=False, plain_run=0, lag=1 if n == k else 2)
+                    r.update(ahead=False, plain_run=0, lag=1 if n == k else 2, drafted=True)
                     draft_s += k * m.draft_step_s * pace
                     sched.observe_cycle(r["id"], k, n)
                 else:
                     got, r["lag"] = 1, r["lag"] + 1
                     if pipelined:
                         if not r["ahead"]:
-                            reason, secs = "plain pipeline start", secs + base
+                            reason, secs = "plain pipeline start" if r["drafted"] else "first plain rounds", secs + base
                         elif r["plain_run"] < S.PIPELINE_WARM_ROUNDS:
-                            reason, secs = "plain pipeline warm-up", secs + m.warm_up_s * pace
+                            warm = m.warm_up_s if r["drafted"] else m.first_warm_up_s
+                            reason, secs = "plain pipeline warm-up" if r["drafted"] else "first plain rounds", secs + warm * pace
                         r["ahead"], r["plain_run"] = room[0] > 0, r["plain_run"] + 1
                 got = min(got, sc.tokens - r["pos"])
                 r["pos"] += got

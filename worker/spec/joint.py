@@ -43,7 +43,10 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
     two forwards, the second for the next cycle; on this CPU MLX's async_eval waits for the
     work it queues), and the next
     PIPELINE_WARM_ROUNDS - 1 run dear too ("plain pipeline warm-up": the embedded model on this
-    CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34). With `timed_apart`, what
+    CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34); a request's first
+    plain rounds, before it ever drafted, are set apart too but as "first plain rounds": they are
+    not what stopping costs (on the H200 a run's first warm-up rounds cost 10.5 ms, steady ones,
+    where those after a drafting stretch cost 43-61 ms, and priced by both a stop read cheap). With `timed_apart`, what
     the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
     than CATCH_UP_LAG tokens, a discarded look-ahead) is left out: the rest of the round is then
     a round of its shape."""
@@ -55,9 +58,13 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
         return "draft catch-up"
     if not timed_apart and batched and any(d._ahead is not None for d in decoders):
         return "look-ahead discarded"
-    if not batched and any(k == 0 and d._ahead is None for d, k in zip(decoders, budgets)):
+    restarts = [d for d, k in zip(decoders, budgets)
+                if not batched and k == 0 and (d._ahead is None or d._plain_run < PIPELINE_WARM_ROUNDS)]
+    if restarts and not any(d._drafting_cycles for d in restarts):
+        return "first plain rounds"  # a request's own start, not what stopping costs
+    if any(d._ahead is None for d in restarts):
         return "plain pipeline start"
-    if not batched and any(k == 0 and d._plain_run < PIPELINE_WARM_ROUNDS for d, k in zip(decoders, budgets)):
+    if restarts:
         return "plain pipeline warm-up"
     return ""
 
