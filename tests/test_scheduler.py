@@ -18,7 +18,7 @@ from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
 from worker import scheduler_sim as sim
-from worker.scheduler import FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import EXPLORE_MARGIN, FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
 
@@ -1046,3 +1046,28 @@ def test_over_plain_rounds_the_server_wide_estimate_fades_to_the_long_run_one():
     assert s.overall.tried[0] == pytest.approx(scheduler.FADE_WEIGHT, rel=0.1) and s.overall.tried[1] < 0.1
     _drafting_round(s, "r", 1, 0)  # a probe's miss
     assert s.shared_rates()[0] > 0.85 * longrun
+
+
+def test_a_plain_figure_of_few_rounds_is_kept_and_explored_whatever_the_lead(tmp_path):
+    """α = 0.6 on one request (this CPU): two plain rounds in 370, every other one set apart as a
+    pipeline's restart; once those two expired the plain round was priced as k = 1's (152 ms, where
+    it costs ~100), k = 3 led 1.9×, and no exploration came, since one is taken only under
+    EXPLORE_MARGIN: 0.80 of k = 1. A plain cell keeps its rounds however few, and while it has fewer
+    than MIN_SAMPLES a due exploration is taken whatever the lead."""
+    cm = CostModel()
+    for _ in range(2):
+        cm.observe((1, 0, 0), 0.100)
+    for _ in range(MAX_AGE + 1):
+        cm.observe((1, 3, 3), 0.235)
+    cm.commit()
+    assert cm.table()["1,0,0"] == pytest.approx(0.100)
+    s = Scheduler(log_path=str(tmp_path / "log.jsonl"))
+    s.cost.cells = {(1, 0, 0): [(1, 0.100)] * 2, (1, 3, 3): [(1, 0.150)] * 9}
+    s.cost.rounds = FEW_PLAIN_GAP + 1
+    for _ in range(40):
+        s.observe_cycle("old", 3, 3)
+    d = s._decide(["r"], 1, [False], [40])
+    lead = _best(d["candidates"])["objective"] / d["candidates"][0]["objective"]
+    assert lead > EXPLORE_MARGIN and d["explored"] and d["allocation"] == [0]
+    s.cost.cells[(1, 0, 0)] = [(1, 0.100)] * MIN_SAMPLES  # enough plain rounds: the margin holds
+    assert not s._decide(["r"], 1, [False], [40])["explored"]

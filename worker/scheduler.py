@@ -298,11 +298,13 @@ class CostModel:
         return _median(xs) * self.pace if xs else None
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
-        """Each cell's rounds, normalised: a cell of fewer than MIN_SAMPLES rounds loses them after
-        MAX_AGE rounds (a figure never trusted, and never read against for the pace, is measured
-        again rather than kept); one of more keeps them, priced at today's pace, so a drafting
-        round 4× as dear as plain is not tried again each MAX_AGE rounds as if unmeasured."""
-        live = {key: [t for r, t in v if len(v) >= MIN_SAMPLES or r > self.rounds - MAX_AGE]
+        """Each cell's rounds, normalised: a drafting cell of fewer than MIN_SAMPLES rounds loses
+        them after MAX_AGE rounds (a figure never trusted, and never read against for the pace, is
+        measured again rather than kept); one of more keeps them, priced at today's pace, so a
+        drafting round 4× as dear as plain is not tried again each MAX_AGE rounds as if unmeasured.
+        A plain cell keeps its rounds however few: unmeasured, the plain round is priced as the
+        cheapest drafting one (at α = 0.6 on one request its two rounds expired, and k = 3 led 1.9×)."""
+        live = {key: [t for r, t in v if len(v) >= MIN_SAMPLES or not key[1] or r > self.rounds - MAX_AGE]
                 for key, v in sorted(self.cells.items())}
         self._cap_plain(live)
         return {key: v for key, v in live.items() if v}
@@ -478,7 +480,8 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int, draft_step: fl
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[str, float], b_max: int,
            probe: bool = False, counts: dict[str, int] | None = None,
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
-           explore_plain: bool = False, draft_step: float | None = None) -> dict:
+           explore_plain: bool = False, draft_step: float | None = None,
+           explore_margin: float | None = EXPLORE_MARGIN) -> dict:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -496,7 +499,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     every change pays both once. With `probe`, a round that
     would draft nothing drafts one token for each request, so acceptance keeps being observed;
     with `explore_plain`, a round that would draft drafts nothing where drafting leads by less than
-    EXPLORE_MARGIN, so plain rounds keep being measured (see `plain_probe_interval`).
+    `explore_margin` (None: by any lead), so plain rounds keep being measured (see `plain_probe_interval`).
     Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
@@ -520,7 +523,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[s
     budget = best["B"]
     lengths = allocate(surv, budget)
     plain = candidates[0]  # B = 0 is always the first candidate
-    explored = bool(explore_plain and budget and best["objective"] < EXPLORE_MARGIN * plain["objective"])
+    explored = bool(explore_plain and budget and (explore_margin is None or best["objective"] < explore_margin * plain["objective"]))
     if explored:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
@@ -680,7 +683,7 @@ class Scheduler:
             # a due plain exploration ends the hold only where it would be taken (a lead under EXPLORE_MARGIN):
             # at α = 0.95 on the H200, k = 8 leading 2×, every round decided again once plain rounds were due
             best, plain = _best(d["candidates"]), d["candidates"][0]
-            self._explorable = best["objective"] < EXPLORE_MARGIN * plain["objective"]
+            self._explorable = d["margin"] is None or best["objective"] < d["margin"] * plain["objective"]
             if d["explored"] and pipelined:  # the first plain rounds restart the pipeline: measure the next
                 self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
         drafted = sum(lengths)
@@ -717,9 +720,14 @@ class Scheduler:
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
         behind = [b or a for b, a in zip(behind, ahead)]
         stop_s = restart if not any(ahead) else 0.0
-        explore = self._plain_due(n_requests, counts.get(f"{n_requests},0,0", 0))
+        plain_rounds = counts.get(f"{n_requests},0,0", 0)
+        explore = self._plain_due(n_requests, plain_rounds)
+        # with fewer than MIN_SAMPLES plain rounds the lead itself is a guess: explore whatever it is (at α = 0.6
+        # on one request two plain rounds in 370, the plain round priced as k = 1's, k = 3 led 1.9× and nothing
+        # measured plain again: 0.80 of k = 1)
+        margin = EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES else None
         draft_step = self.cost.draft_step(n_requests)
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step)
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin)
         self._drafting_best[n_requests] = _best_drafting(d["candidates"])
         if d["budget"]:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
@@ -729,8 +737,8 @@ class Scheduler:
                                         "b_max": self.b_max, "probe": probe, "acceptance": rates,
                                         "cost_table": table, "cost_counts": counts, "behind": behind,
                           "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
-                          "draft_step_s": draft_step, **d})
-        d["probe"], d["decide_s"] = probe, decide_s
+                          "explore_margin": margin, "draft_step_s": draft_step, **d})
+        d["probe"], d["decide_s"], d["margin"] = probe, decide_s, margin
         return d
 
     def _plain_due(self, n: int, plain_rounds: int | None = None) -> bool:
@@ -759,8 +767,8 @@ class Scheduler:
         """Further rounds a decision governs: none where a round costs much more than deciding
         (the embedded model's 50 ms), up to MAX_HOLD where it does not (a tiny model's 2 ms round
         against 0.1-0.2 ms of Python), judged by the chosen round's estimated cost. A probe is one
-        round; a new or finished request, a due probe or a due plain exploration ends a hold; room
-        caps apply every round."""
+        round; a new or finished request, a due probe or a due plain exploration that would be
+        taken (drafting leads by less than EXPLORE_MARGIN) ends a hold; room caps apply every round."""
         if d["probe"]:
             return 0
         cost = next(c["cost"] for c in d["candidates"] if c["B"] == d["budget"])
@@ -853,7 +861,7 @@ def replay(lines: Sequence[str]) -> list[str]:
             continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
         got = decide(rec["acceptance"], rec["n_requests"], rec["cost_table"], rec["b_max"], rec["probe"],
                      rec.get("cost_counts"), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
-                     rec.get("explore_plain", False), rec.get("draft_step_s"))
+                     rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN))
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], rec[key]):
                 diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")
