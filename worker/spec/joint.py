@@ -46,7 +46,8 @@ def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: 
     CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34); a request's first
     plain rounds, before it ever drafted, are set apart too but as "first plain rounds": they are
     not what stopping costs (on the H200 a run's first warm-up rounds cost 10.5 ms, steady ones,
-    where those after a drafting stretch cost 43-61 ms, and priced by both a stop read cheap). With `timed_apart`, what
+    where those after a drafting stretch cost 43-61 ms in one run (12-29 ms, then steady, in a later
+    diagnostic), and priced by both a stop read cheap). With `timed_apart`, what
     the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
     than CATCH_UP_LAG tokens, a discarded look-ahead) is left out: the rest of the round is then
     a round of its shape."""
