@@ -7,7 +7,8 @@ verify of k drafts is a forward of k + 1); the draft's one-token step; joint dec
 controlled-acceptance draft at several α under both recovery paths, for fixed k and adaptive:
 at each (α, recovery) the configurations alternate over the repeats, each repeat with its own
 plain run, and ratios are medians of the per-repeat ratios; adaptive against the best fixed k is
-then measured again in pairs of runs back to back (--pair-repeats).
+then measured again in pairs of runs back to back between plain runs (--pair-repeats), whose
+ratios to each other and to plain the adaptive goal reads.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def run_gpu(args: argparse.Namespace) -> int:
         + f"; the joint runs' draft: {fig['draft_mode']}; every joint shape compiled first ({fig['warm_joint_s']:.0f} s)",
         _fast_line(fig),
         "×plain: median over the repeats of the run's tokens/s ÷ the mean of the plain runs just before and after it; "
-        "adaptive ÷ best fixed k (fast; medians of pairs of runs back to back, and in brackets of the repeats, each "
-        "paired so): " + ", ".join(f"α={j['alpha']} {j['vs_best_fixed']:.2f} ({j['vs_best_fixed_in_repeats']:.2f})"
-                                   for j in fig["joint"] if "vs_best_fixed" in j),
+        "adaptive ÷ best fixed k, and ÷ plain (fast; medians of pairs of runs back to back between plain runs, and "
+        "in brackets of the repeats, each paired so): " + ", ".join(
+            f"α={j['alpha']} {j['vs_best_fixed']:.2f} ({j['vs_best_fixed_in_repeats']:.2f}), "
+            f"÷ plain {j['vs_plain_goal']:.2f} ({j['vs_plain']:.2f})" for j in fig["joint"] if "vs_best_fixed" in j),
         f"acceptance by {fig['acceptance_by']}; exact = runs whose tokens equal the target's own greedy tokens "
         "(forced acceptance emits accepted drafts, so there it is not expected)",
         f"goals: plain ≥ {GOALS['roofline']:.0%} of roofline: {fig['goals']['roofline']}; joint at α=0.8 (fast, best k) "
@@ -194,25 +196,33 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
                     f"{r.recovery_s / cycle:.1%}", f"{len(rs) - differ}/{len(rs)}"))
         progress(f"  α={alpha} {recovery} {name}: {r.tokens_per_s:.1f} tok/s, {vs_plain:.2f}× plain")
     if recovery == "fast" and args.pair_repeats:
-        _pairs(fig["joint"][-len(configs):], dict(configs), run, args.pair_repeats)
+        _pairs(fig["joint"][-len(configs):], dict(configs), run, args.pair_repeats,
+               lambda: gb.plain_decode(target, prompt, args.tokens)[0])
     return out
 
 
-def _pairs(rows: list[dict], ks: dict, run, n: int) -> None:
+def _pairs(rows: list[dict], ks: dict, run, n: int, plain) -> None:
     """Adaptive against the best fixed k of the repeats, in n more pairs of runs back to back
-    (which goes first alternates): the ratio within a pair is what the goal reads. Four repeats,
-    each run set against its own plain neighbours, left identical work (adaptive drafting exactly
-    k = 8's rounds) reading 0.77-1.09 of itself; the pairs are also new runs, so choosing the best
-    k by its repeats does not flatter it."""
+    (which goes first alternates), each pair between two plain runs (`plain()`: its tokens/s):
+    the ratio within a pair, and adaptive's to the mean of the plain runs either side of its pair,
+    are what the goal reads. Four repeats, each run set against its own plain neighbours, left
+    identical work (adaptive drafting exactly k = 8's rounds) reading 0.77-1.09 of itself, and
+    adaptive at α = 0.6 0.71-1.06 of plain; the pairs are also new runs, so choosing the best k by
+    its repeats does not flatter it."""
     best = max((j for j in rows if j["config"] != "adaptive"), key=lambda j: j["vs_plain"])
     ad = next(j for j in rows if j["config"] == "adaptive")
-    ratios = []
+    ratios, vs_plain = [], []
+    before = plain()
     for i in range(n):
         order = ["adaptive", best["config"]] if i % 2 == 0 else [best["config"], "adaptive"]
         tps = {name: run(name, ks[name]).tokens_per_s for name in order}
+        after = plain()
         ratios.append(tps["adaptive"] / tps[best["config"]])
-    ad.update(pairs_best=best["config"], pairs_vs_best=ratios)
-    progress(f"  α={ad['alpha']} adaptive ÷ {best['config']} in {n} pairs: {statistics.median(ratios):.2f}")
+        vs_plain.append(tps["adaptive"] / ((before + after) / 2))
+        before = after
+    ad.update(pairs_best=best["config"], pairs_vs_best=ratios, pairs_vs_plain=vs_plain)
+    progress(f"  α={ad['alpha']} adaptive ÷ {best['config']} in {n} pairs: {statistics.median(ratios):.2f}, "
+             f"÷ plain {statistics.median(vs_plain):.2f}")
 
 
 def _log_path(args, name: str) -> str | None:
@@ -269,7 +279,8 @@ def _goals(fig: dict) -> None:
         ad["vs_best_fixed_in_repeats"] = in_repeats
         vs_best = statistics.median(ad["pairs_vs_best"]) if ad.get("pairs_best") == best["config"] else in_repeats
         ad["vs_best_fixed"] = vs_best
-        adaptive_ok &= vs_best >= GOALS["adaptive_vs_best"] and ad["vs_plain"] >= GOALS["adaptive_vs_plain"]
+        ad["vs_plain_goal"] = statistics.median(ad["pairs_vs_plain"]) if "pairs_vs_plain" in ad else ad["vs_plain"]
+        adaptive_ok &= vs_best >= GOALS["adaptive_vs_best"] and ad["vs_plain_goal"] >= GOALS["adaptive_vs_plain"]
     fig["goals"] = {"roofline": "met" if fig["plain_vs_roofline"] >= GOALS["roofline"] else "missed",
                     "joint_vs_plain": "met" if fig["ratio"] >= GOALS["joint_vs_plain"] else "missed",
                     "adaptive": "met" if adaptive_ok else "missed"}

@@ -32,6 +32,7 @@ def test_bench_gpu_small(tmp_path):
     assert {j["alpha"] for j in fig["joint"] if "vs_best_fixed" in j} == {0.8}
     ad = next(j for j in fig["joint"] if "vs_best_fixed" in j)  # read from pairs of runs back to back
     assert len(ad["pairs_vs_best"]) == 8 and ad["vs_best_fixed"] == statistics.median(ad["pairs_vs_best"])
+    assert len(ad["pairs_vs_plain"]) == 8 and ad["vs_plain_goal"] == statistics.median(ad["pairs_vs_plain"])  # between plain runs
     assert fig["ratio"] > 0 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
     names = {f"a0.8-{rec}-{c}.jsonl" for rec in ("fast", "replay") for c in ("k0", "k1", "k2", "adaptive")} - {"a0.8-replay-k0.jsonl"}
     assert {p.name for p in logs.iterdir()} == names  # every configuration's rounds, adaptive's decisions too

@@ -1071,3 +1071,48 @@ def test_a_plain_figure_of_few_rounds_is_kept_and_explored_whatever_the_lead(tmp
     assert lead > EXPLORE_MARGIN and d["explored"] and d["allocation"] == [0]
     s.cost.cells[(1, 0, 0)] = [(1, 0.100)] * MIN_SAMPLES  # enough plain rounds: the margin holds
     assert not s._decide(["r"], 1, [False], [40])["explored"]
+
+
+def test_a_catch_up_is_priced_by_the_pieces_and_tokens_it_feeds():
+    """On the H200 a catch-up costs by its pieces (one launch each), here by its tokens: the fit
+    recovers either from catch-ups of several lags, ignores a shape's first, dear time, and prices
+    a lag never seen (a probe late in a request that never drafted) by what it will feed."""
+    by_pieces = [(0.006 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 5, 6, 7, 12, 13, 20)]
+    assert scheduler.fit_feed(by_pieces) == pytest.approx((0.006, 0.0), abs=1e-9)
+    by_tokens = [(0.001 * t + 0.002 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 7, 12, 31, 64)]
+    assert scheduler.fit_feed(by_tokens) == pytest.approx((0.002, 0.001), abs=1e-9)
+    cold = by_pieces + [(0.5, 8, 1)]  # one shape's first time
+    assert scheduler.fit_feed(cold) == pytest.approx((0.006, 0.0), abs=1e-9)
+    one_lag = [(0.012, 5, 2)] * 4  # one ratio of tokens to pieces: put on the pieces
+    assert scheduler.fit_feed(one_lag) == pytest.approx((0.006, 0.0))
+    assert scheduler.feed_pieces(109) == 5 and scheduler.feed_pieces(1100) == 2 + 3  # 512, 512, 64, 8, 4
+
+    cm = CostModel()
+    for t in (4, 5, 6, 4, 5):  # short sit-outs, as most catch-ups are
+        cm.set_aside((1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
+    cm.set_aside((1, 0, 0), 0.2, "cancel", (50, 3))  # not a catch-up: not fitted
+    assert len(cm.fed) == 5
+    assert cm.feed_seconds(1, 0) == 0.0
+    assert cm.feed_seconds(1, 109) == pytest.approx(0.030)  # 5 pieces, where the median catch-up is 0.012
+    assert cm.catch_up_seconds(1) == pytest.approx(0.012)
+    assert CostModel().feed_seconds(1, 109) is None  # nothing measured
+    few = CostModel()
+    few.set_aside((1, 4, 4), 0.010, "draft catch-up", (5, 2))
+    assert few.feed_seconds(1, 109) == pytest.approx(0.010)  # too few to fit: the median
+
+
+def test_a_late_probe_waits_for_what_its_catch_up_costs():
+    """One request that never drafted, on H200-like costs: a probe 60 rounds in feeds the prompt
+    and every token since (5 pieces), not the median short catch-up; priced by its feed, the
+    probes come further apart."""
+    s = Scheduler()
+    s.cost.cells = {(1, 0, 0): [(0, 0.006)] * 9, (1, 4, 4): [(0, 0.0165)] * 9}
+    for t in (4, 5, 6, 4, 5, 6):
+        s.cost.set_aside((1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
+    for _ in range(4):
+        s.observe_cycle("old", 4, 1)  # α ≈ 0.6 at position 1: drafting near break-even
+    s.plan(["r"], 1, behind=[True], pipelined=True)
+    by_median = s._probe_every
+    s._held = None
+    s.plan(["r"], 1, behind=[True], pipelined=True, feeds=[123])
+    assert s._probe_every > by_median

@@ -242,7 +242,8 @@ class Engine:
         room = [max(0, self._tokens_left(r) - 1 - d.looking_ahead) for r, d in zip(joint, decoders)]  # a cycle emits its accepted drafts and one more (and a taken look-ahead)
         batching = self.config.batch_verify and len(joint) > 1
         plan = self.scheduler.plan([r.id for r in joint], len(self._active), behind, room,
-                                   [d.looking_ahead for d in decoders], pipelined=not batching)
+                                   [d.looking_ahead for d in decoders], pipelined=not batching,
+                                   feeds=[d.draft_feed for d in decoders])
         for r, k in zip(joint, plan):
             r.decoder.budget, r.decoder.last = k, self._tokens_left(r) <= 1
         # a prefill is no decode round; nor is one that pays a switching cost, unless the cost
@@ -278,12 +279,12 @@ class Engine:
             if r.done:
                 r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
                 self._release(r)
-        apart: dict[str, float] = {}
+        apart: dict[str, tuple] = {}
         for d in decoders:
-            for why, seconds in d.take_apart().items():
-                apart[why] = apart.get(why, 0.0) + seconds
+            for why, paid in d.take_apart().items():
+                apart[why] = tuple(a + b for a, b in zip(apart.get(why, (0.0, 0, 0)), paid))
         drafting = sum(d.last_draft_s for k, d in zip(plan, decoders) if k)
-        self.scheduler.observe_round(time.perf_counter() - t0 - sum(apart.values()), complete,
+        self.scheduler.observe_round(time.perf_counter() - t0 - sum(s for s, *_ in apart.values()), complete,
                                      reason or ("" if complete else "prefill or error"), apart, drafting)
 
     def _tokens_left(self, r: _Request) -> int:

@@ -346,7 +346,8 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     t0 = time.perf_counter()
     while len(out) < n:
         # as the engine's rounds (worker/engine.py): switching costs paid on their own are timed apart
-        budget = sched.plan([rid], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead], pipelined=True)[0]
+        budget = sched.plan([rid], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead],
+                            pipelined=True, feeds=[jd.draft_feed])[0]
         untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
         jd.take_apart()
         t = time.perf_counter()
@@ -355,7 +356,7 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
         jd.commit(keep)
         sched.observe_cycle(rid, *jd.last_cycle)
         apart = jd.take_apart()
-        sched.observe_round(time.perf_counter() - t - sum(apart.values()), complete=not untimed, reason=untimed, apart=apart,
+        sched.observe_round(time.perf_counter() - t - sum(s for s, *_ in apart.values()), complete=not untimed, reason=untimed, apart=apart,
                             draft_s=jd.last_draft_s if budget else 0.0)
         out += emitted[:keep]
     wall = time.perf_counter() - t0

@@ -239,6 +239,7 @@ class CostModel:
         self.rounds = 0
         self.pending: tuple | None = None
         self.set_apart: deque = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
+        self.fed: deque = deque(maxlen=SET_APART_KEPT)  # catch-ups timed with what they fed: (N, seconds, tokens, pieces)
         self.draft_steps: dict[int, deque] = {}  # by N: a drafting round's drafting seconds ÷ its depth
         self.pace = 1.0  # the machine's pace now, against the normalised figures' (see above)
         self.paces: deque = deque(maxlen=PACE_WINDOW)  # the last rounds' own paces
@@ -253,9 +254,13 @@ class CostModel:
             self.set_aside(*self.pending[:2], reason)
             self.pending = None
 
-    def set_aside(self, key: tuple[int, int, int], seconds: float, reason: str) -> None:
-        """Records a round's time (or a switching cost) apart from the table, normalised."""
+    def set_aside(self, key: tuple[int, int, int], seconds: float, reason: str,
+                  fed: tuple[int, int] = (0, 0)) -> None:
+        """Records a round's time (or a switching cost) apart from the table, normalised; `fed`:
+        the tokens and pieces its drafts' catch-ups fed (see `feed_seconds`)."""
         self.set_apart.append((key, seconds / self.pace, reason))
+        if fed[0] and reason in CATCH_UP_REASONS:
+            self.fed.append((key[0], seconds / self.pace, *fed))
 
     def draft_step(self, n: int) -> float | None:
         """Median drafting seconds a depth of rounds with n requests (None: none measured)."""
@@ -296,6 +301,21 @@ class CostModel:
         was timed apart, else the whole round)."""
         xs = [t for key, t, why in self.set_apart if why in reasons and key[0] == n][-WINDOW:]
         return _median(xs) * self.pace if xs else None
+
+    def feed_seconds(self, n: int, tokens: int) -> float | None:
+        """What a draft's catch-up of `tokens` costs with n requests, from the
+        catch-ups timed with what they fed (`fit_feed`); too few of them: the median catch-up.
+        A catch-up's cost is by its pieces on the H200 (5-7 ms each, one launch a piece, whatever
+        its tokens) and by its tokens here; a median of every catch-up, most of them a few tokens
+        after short sit-outs, priced a probe late in a request that never drafted at a fifth of
+        its 81 ms there."""
+        if not tokens:
+            return 0.0
+        rows = [(t, k, p) for m, t, k, p in self.fed if m == n][-WINDOW:]
+        if len(rows) < MIN_SAMPLES:
+            return self.catch_up_seconds(n)
+        per_piece, per_token = fit_feed(rows)
+        return (per_piece * feed_pieces(tokens) + per_token * tokens) * self.pace
 
     def _live(self) -> dict[tuple[int, int, int], list[float]]:
         """Each cell's rounds, normalised: a drafting cell of fewer than MIN_SAMPLES rounds loses
@@ -472,6 +492,40 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int, draft_step: fl
     if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more
         slope = min(slope, draft_step)
     return by_depth[deepest] + slope * (d - deepest)
+
+
+def fit_feed(rows: Sequence[tuple[float, int, int]]) -> tuple[float, float]:
+    """Seconds a piece and a token of a draft's catch-up: least squares over (seconds, tokens,
+    pieces), both parts at least 0, refitted once without the rows 3× the median residual off (a
+    shape's first time, a host spell). Rows of one tokens-to-pieces ratio cannot tell the parts
+    apart: the cost is then put on the pieces, which grow slowest with the lag."""
+    def fit(rows):
+        spp = sum(p * p for _, _, p in rows)
+        stt = sum(t * t for _, t, _ in rows)
+        spt = sum(p * t for _, t, p in rows)
+        sps = sum(p * s for s, _, p in rows)
+        sts = sum(t * s for s, t, _ in rows)
+        det = spp * stt - spt * spt
+        if det > 1e-6 * spp * stt:
+            a, b = (sps * stt - sts * spt) / det, (sts * spp - sps * spt) / det
+            if a >= 0 and b >= 0:
+                return a, b
+            if b < 0 <= a or det <= 0:
+                return sps / spp, 0.0
+            return 0.0, sts / stt
+        return sps / spp, 0.0
+
+    a, b = fit(rows)
+    res = [abs(s - a * p - b * t) for s, t, p in rows]
+    bound = 3 * _median(res)
+    kept = [r for r, e in zip(rows, res) if e <= bound]
+    return fit(kept) if bound > 0 and len(kept) >= MIN_SAMPLES else (a, b)
+
+
+def feed_pieces(tokens: int, most: int = 512) -> int:
+    """Pieces a catch-up of `tokens` is fed in (powers of two, at most `most` each:
+    worker/spec/draft.py's pow2_pieces)."""
+    return tokens // most + bin(tokens % most).count("1")
 
 
 # ---- the decision ----
@@ -651,12 +705,14 @@ class Scheduler:
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
-             pipelined: bool = False) -> list[int]:
+             pipelined: bool = False, feeds: Sequence[int] | None = None) -> list[int]:
         """Draft length for each joint request of this round (n_requests counts baseline ones);
         `behind`: whose draft would first have to catch up (see `decide`); `room`: the most
         drafts each request's cycle can still use (its remaining tokens less the one a cycle adds);
         `ahead`: whose plain rounds computed a forward ahead (drafting throws it away); `pipelined`:
-        plain rounds of these requests would be pipelined (unbatched), so stopping restarts that."""
+        plain rounds of these requests would be pipelined (unbatched), so stopping restarts that;
+        `feeds`: the tokens each one's draft would feed apart before drafting (its catch-up, priced
+        by them: `CostModel.feed_seconds`; None: at the median catch-up)."""
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
         caps = list(room) if room is not None else [None] * len(joint_ids)
@@ -672,7 +728,7 @@ class Scheduler:
             if self._log:
                 self._record({"round": self.rounds, "requests": joint_ids, "held": True, "allocation": lengths})
         else:
-            d = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined)
+            d = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined, feeds)
             lengths = d["allocation"]
             if any(c is None or c > 0 for c in caps):  # a request's last round has no room to draft
                 self._drafting = bool(d["budget"]) and not d["probe"]
@@ -694,16 +750,21 @@ class Scheduler:
         return lengths
 
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
-                caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False) -> dict:
+                caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False,
+                feeds: Sequence[int] | None = None) -> dict:
         """The rule's decision, logged; "decide_s": what deciding took (logging aside)."""
         t0 = time.perf_counter()
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
-        catch_up = self.cost.catch_up_seconds(n_requests)
+        catch_up = probe_catch_up = self.cost.catch_up_seconds(n_requests)
+        if feeds is not None and catch_up is not None:  # priced by the tokens each draft would feed:
+            # now, where drafting starts now, and, for a probe, at least what one after a sit-out feeds (FREE_SIT_OUT + 1 rounds: 4 tokens)
+            catch_up = sum(self.cost.feed_seconds(n_requests, f) for f in feeds)
+            probe_catch_up = sum(self.cost.feed_seconds(n_requests, max(f, FREE_SIT_OUT + 2)) for f in feeds)
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
-        self._probe_every = probe_interval(table, n_requests, counts, catch_up, [r[0] for r in rates if r],
+        self._probe_every = probe_interval(table, n_requests, counts, probe_catch_up, [r[0] for r in rates if r],
                                            discard, any(behind or []), restart, self._drafting_best.get(n_requests))
         if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
             # a guess from a few cycles (3 early rejections at α = 0.6 read 0.14-0.20), priced by that
@@ -822,15 +883,16 @@ class Scheduler:
     def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None,
                       draft_s: float = 0.0) -> None:
         """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
-        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds});
-        `draft_s`: what of it its drafting took."""
+        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds, or (seconds,
+        tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
         if self._round is None:
             return
         if self._log:
             self._record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
                           "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
-        for why, s in (apart or {}).items():
-            self.cost.set_aside(self._round, s, why)
+        for why, paid in (apart or {}).items():
+            seconds, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
+            self.cost.set_aside(self._round, seconds, why, tuple(fed))
         if complete:
             self.cost.observe(self._round, seconds, draft_s)
         else:

@@ -30,13 +30,15 @@ EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7:
 EMBEDDED_X4 = {0: 89.7, 1: 108.4, 2: 135.5, 3: 162.0, 4: 191.5, 5: 203.0, 6: 225.0, 7: 245.0, 8: 265.0}
 # the H200's Qwen3.5-9B / 0.8B shapes in the host's fast spell (`verity bench gpu --decision-log`, 2026-12-02)
 H200_X1 = {0: 6.0, 1: 14.0, 2: 15.5, 3: 16.0, 4: 16.5, 5: 17.0, 6: 17.5, 7: 18.0, 8: 18.5}
+PROMPT = 64  # tokens a request's draft first feeds (its prompt)
 BATCH_SHARE = {1: 0.35, 2: 0.65, 3: 0.86, 4: 1.0}  # a batch of n costs this share of 4's (the tail of a run)
 
 
 @dataclass(frozen=True)
 class Machine:
     prefill_s: float = 0.19  # a run's prefill, the same for every configuration
-    catch_up_s: float = 0.006  # switching costs, seconds
+    catch_up_s: float = 0.006  # switching costs, seconds: a catch-up's, and each of its pieces' more
+    piece_s: float = 0.0
     taken_s: float = 0.003
     warm_up_s: float = 0.004  # each warm-up round's extra after a drafting stretch
     first_warm_up_s: float = 0.004  # ... and after a request's start
@@ -47,9 +49,10 @@ class Machine:
 
 
 CPU = Machine()
-# plain runs of one bench read 83-180 tok/s; after a drafting stretch a catch-up cost 38 ms and the plain
-# pipeline's first rounds 26, 61, 22, 58 ms against 10.5 steady (a run's first ones: steady)
-H200 = Machine(prefill_s=0.03, catch_up_s=0.020, taken_s=0.002, warm_up_s=0.020, first_warm_up_s=0.0,
+# plain runs of one bench read 83-180 tok/s; a draft's catch-up cost 5-7 ms a piece (a shape's first time up to
+# 10 more); after a stop the pipeline's restart round 12-29 ms and the rounds after it steady (2026-12-02's
+# diagnostic: the 26, 61, 22, 58 ms of an earlier run did not reproduce)
+H200 = Machine(prefill_s=0.03, catch_up_s=0.002, piece_s=0.006, taken_s=0.002, warm_up_s=0.001, first_warm_up_s=0.0,
                draft_step_s=0.0015, spells=(1.0, 1.0, 1.15, 1.4, 1.6), spell_s=(1, 6), decide_s=0.0002)
 
 
@@ -96,20 +99,23 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
     tokens, seconds, m = 0, 0.0, sc.machine
     pipelined = sc.requests == 1
     for run in range(runs):
-        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=10**6, ahead=False, plain_run=0, drafted=False)
+        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=PROMPT, ahead=False, plain_run=0, drafted=False)
                 for i in range(sc.requests)]
         while reqs:
             room = [max(0, sc.tokens - r["pos"] - 1 - r["ahead"]) for r in reqs]
+            feeds = [r["lag"] - 1 if r["lag"] > 4 else 0 for r in reqs]
             plan = sched.plan([r["id"] for r in reqs], len(reqs), [r["lag"] > 4 for r in reqs], room,
-                              [r["ahead"] for r in reqs], pipelined=pipelined)
+                              [r["ahead"] for r in reqs], pipelined=pipelined, feeds=feeds)
             pace = spells.at(clock[0]) * math.exp(rng.gauss(0, 0.05))
             base = _round_ms(sc, len(reqs), max(plan)) / 1000 * pace
             secs, apart, reason, draft_s = base, {}, "", 0.0
-            for r, k in zip(reqs, plan):
+            for r, k, fed in zip(reqs, plan, feeds):
                 if k:
                     got = int(r["ahead"])  # a look-ahead's token is taken as the cycle's first
-                    if r["lag"] > 4:
-                        apart["draft catch-up"] = m.catch_up_s * pace
+                    if fed:
+                        pieces = S.feed_pieces(fed)
+                        s, t, p = apart.get("draft catch-up", (0.0, 0, 0))
+                        apart["draft catch-up"] = (s + (m.catch_up_s + m.piece_s * pieces) * pace, t + fed, p + pieces)
                     if r["ahead"]:
                         apart["look-ahead taken"] = m.taken_s * pace
                     n = _hits(r["seed"], r["pos"] + got, k, sc.alpha(r["pos"] + got, sc.tokens))
@@ -129,7 +135,7 @@ def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, sp
                 got = min(got, sc.tokens - r["pos"])
                 r["pos"] += got
                 tokens += got
-            secs_all = secs + sum(apart.values())
+            secs_all = secs + sum(v[0] if isinstance(v, tuple) else v for v in apart.values())
             seconds += secs_all
             clock[0] += secs_all
             sched.observe_round(secs, not reason, reason, apart, draft_s)

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from worker.scheduler import PIPELINE_WARM_ROUNDS
 from worker.spec import state as st
-from worker.spec.draft import Drafter
+from worker.spec.draft import Drafter, pow2_pieces
 from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 
 RECOVERY_PATHS = ("fast", "replay")
@@ -108,7 +108,7 @@ class JointDecoder:
         self._pending: Optional[tuple] = None
         self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
         self._plain_run = 0  # plain cycles since the pipeline (re)started
-        self._apart: dict[str, float] = {}  # switching costs paid on their own: seconds by reason
+        self._apart: dict[str, tuple[float, int, int]] = {}  # switching costs paid on their own: (seconds, tokens and pieces fed) by reason
         self._taken: Optional[tuple] = None  # this cycle began with the look-ahead's token: states before it
         self.last_draft_s = 0.0  # what the last drafting cycle's proposal took (its share, batched; 0: not timed)
         self._drafting_cycles = 0
@@ -236,15 +236,18 @@ class JointDecoder:
         it sat out) first feeds them, evaluated and timed apart."""
         if self.draft_lag > CATCH_UP_LAG:
             why = "draft prefill" if self.draft_lacks_prompt else "draft catch-up"
-            t0 = time.perf_counter()
+            t0, fed = time.perf_counter(), len(self.drafter.consumed)
             self.drafter.catch_up(self.tokens)
-            self._pay_apart(why, time.perf_counter() - t0)
+            fed = len(self.drafter.consumed) - fed
+            self._pay_apart(why, time.perf_counter() - t0, fed, len(pow2_pieces(fed, self.drafter.prefill_step)))
 
-    def _pay_apart(self, why: str, seconds: float) -> None:
-        self._apart[why] = self._apart.get(why, 0.0) + seconds
+    def _pay_apart(self, why: str, seconds: float, tokens: int = 0, pieces: int = 0) -> None:
+        s, t, p = self._apart.get(why, (0.0, 0, 0))
+        self._apart[why] = (s + seconds, t + tokens, p + pieces)
 
-    def take_apart(self) -> dict[str, float]:
-        """The switching costs paid on their own since the last call: {reason: seconds}."""
+    def take_apart(self) -> dict[str, tuple[float, int, int]]:
+        """The switching costs paid on their own since the last call: {reason: (seconds, tokens
+        and pieces a catch-up fed)}."""
         out, self._apart = self._apart, {}
         return out
 
@@ -267,6 +270,11 @@ class JointDecoder:
     def draft_behind(self) -> bool:
         """Drafting now would first pay a catch-up: the prompt, or the cycles the draft sat out."""
         return self.draft_lacks_prompt or self.draft_lag > CATCH_UP_LAG
+
+    @property
+    def draft_feed(self) -> int:
+        """Tokens the draft would feed apart before drafting now (`catch_up_draft`; 0: none)."""
+        return max(0, self.draft_lag - 1) if self.draft_lag > CATCH_UP_LAG else 0
 
     @property
     def draft_lag(self) -> int:
