@@ -8,7 +8,9 @@ controlled-acceptance draft at several α under both recovery paths, for fixed k
 at each (α, recovery) the configurations alternate over the repeats, each repeat with its own
 plain run, and ratios are medians of the per-repeat ratios; adaptive against the best fixed k is
 then measured again in pairs of runs back to back between plain runs (--pair-repeats), whose
-ratios to each other and to plain the adaptive goal reads.
+ratios to each other and to plain the adaptive goal reads. The headline (α = 0.8, fast, the best
+fixed k ÷ plain) is the median over that k's repeats and its runs in those pairs, each ÷ the plain
+runs either side of it: four repeats alone read 1.47 where the same run's twelve read 1.51.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def run_gpu(args: argparse.Namespace) -> int:
         "(forced acceptance emits accepted drafts, so there it is not expected)",
         f"goals: plain ≥ {GOALS['roofline']:.0%} of roofline: {fig['goals']['roofline']}; joint at α=0.8 (fast, best k) "
         f"≥ {GOALS['joint_vs_plain']}× plain: {fig['goals']['joint_vs_plain']}; adaptive within 5% of best k and "
-        f"≥ 0.97× plain at every α: {fig['goals']['adaptive']}; headline ratio {fig['ratio']:.2f}",
+        f"≥ 0.97× plain at every α: {fig['goals']['adaptive']}; headline ratio {fig['ratio']:.2f} (the best k's repeats and "
+        f"pairs; its repeats alone {fig['ratio_in_repeats']:.2f})",
     ])
     print_report("verity bench gpu", rows, ("α", "recovery", "budget", "tok/s", "×plain", "accept", "k mean",
                                             "draft", "verify", "recovery", "exact"), fig, args.json, footer)
@@ -211,7 +214,7 @@ def _pairs(rows: list[dict], ks: dict, run, n: int, plain) -> None:
     its repeats does not flatter it."""
     best = max((j for j in rows if j["config"] != "adaptive"), key=lambda j: j["vs_plain"])
     ad = next(j for j in rows if j["config"] == "adaptive")
-    ratios, vs_plain = [], []
+    ratios, vs_plain, best_vs_plain = [], [], []
     before = plain()
     for i in range(n):
         order = ["adaptive", best["config"]] if i % 2 == 0 else [best["config"], "adaptive"]
@@ -219,8 +222,10 @@ def _pairs(rows: list[dict], ks: dict, run, n: int, plain) -> None:
         after = plain()
         ratios.append(tps["adaptive"] / tps[best["config"]])
         vs_plain.append(tps["adaptive"] / ((before + after) / 2))
+        best_vs_plain.append(tps[best["config"]] / ((before + after) / 2))
         before = after
     ad.update(pairs_best=best["config"], pairs_vs_best=ratios, pairs_vs_plain=vs_plain)
+    best["pairs_vs_plain"] = best_vs_plain
     progress(f"  α={ad['alpha']} adaptive ÷ {best['config']} in {n} pairs: {statistics.median(ratios):.2f}, "
              f"÷ plain {statistics.median(vs_plain):.2f}")
 
@@ -268,7 +273,9 @@ def _goals(fig: dict) -> None:
     drafting = [j for j in fast if j["config"] not in ("adaptive", "k=0")]  # the headline is speculation's, not k = 0's
     at08 = [j for j in drafting if j["alpha"] == 0.8] or drafting
     best08 = max(at08, key=lambda j: j["vs_plain"])
-    fig["ratio"] = best08["vs_plain"]
+    fig["ratio_in_repeats"] = best08["vs_plain"]
+    fig["ratio"] = statistics.median(  # its repeats and its runs in the pairs, each ÷ its own plain neighbours
+        [r / p for r, p in zip(best08["runs_tps"], best08["plain_tps"])] + best08.get("pairs_vs_plain", []))
     adaptive_ok = True
     for alpha in {j["alpha"] for j in fast}:
         rows = [j for j in fast if j["alpha"] == alpha]
