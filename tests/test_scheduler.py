@@ -527,13 +527,15 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(cpu, 4, first=[0.3] * 4) == FREE_SIT_OUT  # yields 5.2 tokens at 1.3× plain
     assert probe_interval(cpu, 4, first=[0.0] * 4) == 16  # (0.160 - 0.123) / (2% of 0.123), rounded up
     assert probe_interval(cpu, 4, catch_up=0.14, first=[0.0] * 4) == 72  # its drafts first catch up: 0.160 + 0.14
-    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.3] * 4, behind=True) == 57  # a draft is behind already
+    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.3] * 4, behind=True) == 58  # a draft is behind already
     one = {"1,0,0": 0.054, "1,1,1": 0.068}  # one request: plain rounds pipeline the next forward
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
     assert probe_interval(one, 1, first=[0.3], discard=0.054) == 48  # a probe throws the forward ahead away: 0.068 + 0.054
     assert probe_interval(one, 1, first=[0.3], discard=0.054, restart=0.045) == 90  # ... and the plain round after restarts it
     slow = {"1,0,0": 0.009, "1,1,1": 0.020}  # a dear draft: a probe costs 2.2 plain rounds
-    assert probe_interval(slow, 1, first=[0.5]) == 37  # (0.020 - 1.5 × 0.009) / (2% of 0.009), rounded up
+    assert probe_interval(slow, 1, first=[0.0]) == 62  # (0.020 - 0.009) / (2% of 0.009), rounded up
+    # a hit at 0.5 is followed by another probe, 1 more expected: (1 + 1) × (0.020 - 1.5 × 0.009) / (2% of 0.009)
+    assert probe_interval(slow, 1, first=[0.5]) == 73
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: 5.6 plain rounds, no acceptance pays
     assert probe_interval(gpu, 1, first=[0.5]) == probe_interval(gpu, 1, first=[1.0]) == HOPELESS_EVERY
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
@@ -554,7 +556,8 @@ def test_a_probe_drafts_the_best_drafting_allocation_where_it_is_deeper():
     assert decide([[0.2, 0.2]] * 4, 4, cpu, 8, probe=True)["allocation"] == [1, 1, 1, 1]
     deep = _best_drafting(d["candidates"])
     shallow = probe_interval(gpu, 1, first=[0.6])  # priced as a k = 1 probe: 14 ms for 1.6 tokens
-    assert (shallow, probe_interval(gpu, 1, first=[0.6], drafting=deep)) == (37, 25)  # 15.3 ms for 2.0 tokens loses less
+    # 15.3 ms for 2.0 tokens loses less; each × 2.5, with the 1.5 probe rounds expected to follow hits at 0.6
+    assert (shallow, probe_interval(gpu, 1, first=[0.6], drafting=deep)) == (92, 63)
     s = Scheduler()
     s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.015)] * 5}
     for _ in range(100):

@@ -166,6 +166,7 @@ HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay w
 FEW_OBSERVED = 16.0  # position-1 observations over the long run under which ...
 UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×)
 PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
+MAX_FOLLOW_HIT = 0.9  # the chance of a probe's hit that prices its follow-ups at most (9 rounds)
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
                   # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
@@ -629,11 +630,19 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if drafting is not None and drafting["B"] > len(first):
         probe, expected = drafting["cost"], plain * drafting["gain"] / n_requests
-    probe += (discard or 0.0) + restart
-    if not behind and probe - expected <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
+    loss = probe - expected + (discard or 0.0) + restart + _follow_ups(first) * max(0.0, probe - expected)
+    if not behind and loss <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
         return FREE_SIT_OUT
-    cost = probe + (catch_up or 0.0)
-    return max(FREE_SIT_OUT + 1, math.ceil((cost - expected) / (PROBE_SHARE * plain)))
+    return max(FREE_SIT_OUT + 1, math.ceil((loss + (catch_up or 0.0)) / (PROBE_SHARE * plain)))
+
+
+def _follow_ups(first: Sequence[float]) -> float:
+    """Probe rounds expected to follow a probe (one follows each that any draft hit, chance
+    1 - Π(1 - a1)): at α = 0.6 on the H200 a probe was three rounds, not one, and, priced as one,
+    probes cost plain decoding 4-5%."""
+    miss = math.prod(1.0 - min(a, 1.0) for a in first)
+    hit = min(1.0 - miss, MAX_FOLLOW_HIT)
+    return hit / (1.0 - hit)
 
 
 def _could_pay(table: dict[str, float], n: int, joint: int, counts: dict[str, int] | None, plain: float) -> bool:
