@@ -1119,3 +1119,20 @@ def test_a_late_probe_waits_for_what_its_catch_up_costs():
     s._held = None
     s.plan(["r"], 1, behind=[True], pipelined=True, feeds=[123])
     assert s._probe_every > by_median
+
+
+def test_a_round_with_costs_apart_enters_the_table_at_its_own_time():
+    """A round whose draft first caught up (its catch-up timed apart, with the tokens and pieces it
+    fed) is priced at the round's time, the catch-up kept apart. A whole bench sched run read a
+    338 ms k = 8 round at the 5.8 ms of its catch-up, priced k = 8 at 16 ms on the CPU, and drafted
+    8 deep through α = 0.2: 0.69 of k = 2."""
+    s = Scheduler()
+    for _ in range(3):
+        s.plan(["r"], 1)
+        s._round = (1, 8, 8)
+        s.observe_round(0.338, True, apart={"draft catch-up": (0.0058, 4, 1), "look-ahead taken": (0.017, 0, 0)})
+    s.cost.commit()
+    table, counts = s.cost.table_and_counts()
+    assert counts["1,8,8"] == 3 and table["1,8,8"] == pytest.approx(0.338)
+    assert sorted(why for _, _, why in s.cost.set_apart) == ["draft catch-up"] * 3 + ["look-ahead taken"] * 3
+    assert s.cost.catch_up_seconds(1) == pytest.approx(0.0058)

@@ -900,8 +900,8 @@ class Scheduler:
             self._record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
                           "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
         for why, paid in (apart or {}).items():
-            seconds, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
-            self.cost.set_aside(self._round, seconds, why, tuple(fed))
+            paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
+            self.cost.set_aside(self._round, paid_s, why, tuple(fed))
         if complete:
             self.cost.observe(self._round, seconds, draft_s)
         else:
