@@ -538,6 +538,14 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(slow, 1, first=[0.5]) == 73
     gpu = {"1,0,0": 0.009, "1,1,1": 0.050}  # a launch-bound draft: 5.6 plain rounds, no acceptance pays
     assert probe_interval(gpu, 1, first=[0.5]) == probe_interval(gpu, 1, first=[1.0]) == HOPELESS_EVERY
+    # the H200's rounds: k = 1 costs 3 plain rounds, and no depth within reach (2) pays; with the draft
+    # step measured (1.5 ms), k = 8 costs at least k = 2's estimate + 6 × 1.5 ms for 9 tokens: worth probing
+    h200 = {"1,0,0": 0.0065, "1,1,1": 0.0198}
+    assert probe_interval(h200, 1, first=[0.95]) == HOPELESS_EVERY
+    assert probe_interval(h200, 1, first=[0.95], draft_step=0.0015) < HOPELESS_EVERY
+    # a tiny pair whose draft step (11 ms) costs more than a plain round (6.7 ms) stays hopeless
+    tiny = {"1,0,0": 0.0067, "1,1,1": 0.0254}
+    assert probe_interval(tiny, 1, first=[0.95], draft_step=0.011) == HOPELESS_EVERY
     d = decide([[0.05], [0.1], []], 3, {"3,0,0": 1.0, "3,2,1": 1.5}, 8, probe=True)
     assert d["allocation"] == [1, 1, 0] and d["budget"] == 2  # the third request has no room
 

@@ -602,7 +602,8 @@ def _best_drafting(candidates: list[dict]) -> dict | None:
 
 def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, int] | None = None,
                    catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
-                   behind: bool = False, restart: float = 0.0, drafting: dict | None = None) -> int:
+                   behind: bool = False, restart: float = 0.0, drafting: dict | None = None,
+                   draft_step: float | None = None) -> int:
     """Plain rounds between probes. A probe drafts at least one token for each joint request
     (`first`: their position-1 estimates), so a change of text shows in one round, not one
     request's in turn, and the drafting round's cost is measured again; it drafts the best drafting
@@ -625,7 +626,7 @@ def probe_interval(table: dict[str, float], n_requests: int, counts: dict[str, i
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
-    if not _could_pay(table, n_requests, len(first), counts, plain):
+    if not _could_pay(table, n_requests, len(first), counts, plain, draft_step):
         return HOPELESS_EVERY
     expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
     if drafting is not None and drafting["B"] > len(first):
@@ -645,12 +646,22 @@ def _follow_ups(first: Sequence[float]) -> float:
     return hit / (1.0 - hit)
 
 
-def _could_pay(table: dict[str, float], n: int, joint: int, counts: dict[str, int] | None, plain: float) -> bool:
+def _could_pay(table: dict[str, float], n: int, joint: int, counts: dict[str, int] | None, plain: float,
+               draft_step: float | None = None) -> bool:
     """Whether drafting d tokens for each of `joint` requests, all accepted, beats plain rounds
     at some depth d within reach (one past the deepest measured: the extrapolation past it is
-    optimistic enough to make any draft look worth a probe)."""
-    for d in range(1, _reach(table, n) + 1):
-        cost = estimate(table, n, joint * d, d, counts)
+    optimistic enough to make any draft look worth a probe) or, with the measured `draft_step`,
+    at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
+    step more a depth (the H200's k = 1 cost 3 plain rounds and k = 8 3.5; from k = 1 alone no
+    depth within reach paid, and in simulation α = 0.95 stayed plain for whole runs: 0.66 of k = 8)."""
+    reach = _reach(table, n)
+    for d in range(1, POSITIONS + 1):
+        if d <= reach:
+            cost = estimate(table, n, joint * d, d, counts)
+        elif draft_step is not None and reach >= 2:
+            cost = estimate(table, n, joint * reach, reach, counts) + (d - reach) * draft_step
+        else:
+            break
         if cost is not None and (n + joint * d) / cost > n / plain:
             return True
     return False
@@ -774,7 +785,8 @@ class Scheduler:
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
         self._probe_every = probe_interval(table, n_requests, counts, probe_catch_up, [r[0] for r in rates if r],
-                                           discard, any(behind or []), restart, self._drafting_best.get(n_requests))
+                                           discard, any(behind or []), restart, self._drafting_best.get(n_requests),
+                                           self.cost.draft_step(n_requests))
         if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
             # a guess from a few cycles (3 early rejections at α = 0.6 read 0.14-0.20), priced by that
             # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart

@@ -28,8 +28,9 @@ from worker import scheduler as S
 # medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
 EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
 EMBEDDED_X4 = {0: 89.7, 1: 108.4, 2: 135.5, 3: 162.0, 4: 191.5, 5: 203.0, 6: 225.0, 7: 245.0, 8: 265.0}
-# the H200's Qwen3.5-9B / 0.8B shapes in the host's fast spell (`verity bench gpu --decision-log`, 2026-12-02)
-H200_X1 = {0: 6.0, 1: 14.0, 2: 15.5, 3: 16.0, 4: 16.5, 5: 17.0, 6: 17.5, 7: 18.0, 8: 18.5}
+# the H200's Qwen3.5-9B / 0.8B shapes (`verity bench gpu --decision-log`, 2026-12-03's medians: k = 1, 4, 8 and
+# plain measured, the rest between; the 2026-12-02 figures, 6.0 to 18.5 ms, had drafting rounds 2-4 ms too cheap)
+H200_X1 = {0: 6.5, 1: 19.8, 2: 20.1, 3: 20.3, 4: 20.5, 5: 21.0, 6: 21.6, 7: 22.1, 8: 22.7}
 PROMPT = 64  # tokens a request's draft first feeds (its prompt)
 BATCH_SHARE = {1: 0.35, 2: 0.65, 3: 0.86, 4: 1.0}  # a batch of n costs this share of 4's (the tail of a run)
 
