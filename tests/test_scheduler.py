@@ -505,7 +505,33 @@ def test_a_shrinking_batch_starts_from_what_the_larger_one_measured():
     d = decide([[0.9] * 4 for _ in range(3)], 3, table, 16)
     assert d["allocation"] == [4, 4, 4]  # depth 4 at once, priced 0.60 × 0.21 / 0.28
     assert any(c["D"] == 4 and abs(c["cost"] - 0.45) < 1e-9 for c in d["candidates"])
-    assert decide([[0.9] * 4 for _ in range(3)], 3, {"4,0,0": 0.28, "4,16,4": 0.60}, 16)["budget"] == 0  # 3 unmeasured
+    # nothing of 3 measured: 4's rounds of the same drafts a request price it (its plain round stands in for 3's)
+    d = decide([[0.9] * 4 for _ in range(3)], 3, {"4,0,0": 0.28, "4,16,4": 0.60}, 16)
+    assert d["allocation"] == [4, 4, 4] and d["candidates"][0]["cost"] == 0.28
+    assert any(c["D"] == 4 and c["cost"] == 0.60 for c in d["candidates"])
+    assert decide([[0.1] * 4 for _ in range(3)], 3, {"4,0,0": 0.28, "4,16,4": 0.60}, 16)["budget"] == 0  # where it does not pay
+    one = {"4,0,0": 0.08, "4,12,3": 0.15, "4,16,4": 0.17}  # α = 0.9 ×4 on this CPU; a lone tail request
+    assert estimate(one, 1, 4, 4) == 0.17 and estimate(one, 1, 3, 3) == 0.15 and estimate(one, 1, 0, 0) == 0.08
+    assert decide([[0.9] * 8], 1, one, 16)["allocation"][0] >= 4  # (deeper ones extrapolated, as at any N)
+    assert estimate({}, 1, 0, 0) is None  # nothing measured at all: start plain
+
+
+def test_a_batch_tail_explores_plain_only_where_drafting_leads_narrowly():
+    """With fewer than MIN_SAMPLES plain rounds of an N, a due exploration is taken whatever the lead,
+    except in a batch's tail (N under the most of the last PLAIN_GAP rounds): there its few rounds
+    would all be explorations, and α = 0.9 ×4's tails decoded plain against leads of 1.26-1.50."""
+    s = Scheduler()
+    s.cost.cells = {(4, 0, 0): [(1, 0.08)] * 9, (4, 16, 4): [(1, 0.17)] * 9, (1, 0, 0): [(1, 0.03)]}
+    s.cost.rounds = FEW_PLAIN_GAP + 1
+    for _ in range(40):
+        s.observe_cycle("old", 4, 4)
+    assert min(s._decide(["a", "b", "c", "d"], 4, [False] * 4, [40] * 4)["allocation"]) >= 4
+    tail = s._decide(["a"], 1, [False], [20])
+    assert s._plain_due(1, 1)  # an exploration is due ...
+    assert not tail["explored"] and tail["margin"] == EXPLORE_MARGIN and tail["allocation"][0] >= 4  # ... and not taken
+    s.rounds += PLAIN_GAP + 1  # long since 4 were seen: one request is the steady state, explored whatever the lead
+    steady = s._decide(["a"], 1, [False], [20])
+    assert steady["margin"] is None and steady["explored"] and steady["allocation"] == [0]
 
 
 def test_untried_positions_borrow_the_previous_position_estimate():

@@ -433,9 +433,23 @@ def _from_other_n(table: dict[str, float], n: int, d: int) -> float | None:
     return None
 
 
+def _stand_in(table: dict[str, float], n: int) -> int | None:
+    """For N requests of which nothing is measured, the nearest other N whose plain round is: its
+    rounds of the same drafts a request price this N's (see `_interpolate`). A batch's tail met
+    each smaller N unmeasured and decoded plain, and one request's plain rounds, pipelined, are
+    set apart for PIPELINE_WARM_ROUNDS after a start: a short tail never measured them, and every
+    tail of α = 0.9 ×4 ran plain (tails of 36 rounds against k = 4's 6, 0.87 of k = 4)."""
+    if _cells(table, n):
+        return None
+    plain = [int(k.split(",")[0]) for k in table if k.endswith(",0,0")]
+    return min(plain, key=lambda x: (abs(x - n), x), default=None)
+
+
 def _reach(table: dict[str, float], n: int) -> int:
     """The deepest depth a decision may choose: one past the deepest measured with these N
     requests, or the deepest measured with another N when both plain rounds are known."""
+    if (other := _stand_in(table, n)) is not None:
+        return _reach(table, other)
     own = max((kd for _, kd, _ in _cells(table, n)), default=-1) + 1
     if f"{n},0,0" not in table:
         return own
@@ -473,7 +487,9 @@ def _interpolate(table: dict[str, float], n: int, b: int, d: int, draft_step: fl
         return exact
     cells = _cells(table, n)
     if not cells:
-        return None
+        other = _stand_in(table, n)  # its plain round stands in for this N's until one is measured:
+        # the ratios between candidates, which decide, carry over (an N's rounds cost about in proportion)
+        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step)
     same_d = {kb: v for kb, kd, v in cells if kd == d}
     if same_d:
         return _along(same_d, b)
@@ -722,6 +738,7 @@ class Scheduler:
         self._probing = False  # this round is a probe
         self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
         self._explorable = True  # the held decision leads plain by less than EXPLORE_MARGIN (see `plan`)
+        self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -807,7 +824,11 @@ class Scheduler:
         # with fewer than MIN_SAMPLES plain rounds the lead itself is a guess: explore whatever it is (at α = 0.6
         # on one request two plain rounds in 370, the plain round priced as k = 1's, k = 3 led 1.9× and nothing
         # measured plain again: 0.80 of k = 1)
-        margin = EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES else None
+        # ... but not in a batch's tail (N under the last PLAIN_GAP rounds' most): its few rounds would all be
+        # explorations (α = 0.9 ×4: tails of 1-3 requests decoded plain against leads of 1.26-1.50)
+        if n_requests >= self._peak[0] or self.rounds - self._peak[1] > PLAIN_GAP:
+            self._peak = (n_requests, self.rounds)
+        margin = EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES or n_requests < self._peak[0] else None
         draft_step = self.cost.draft_step(n_requests)
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin)
         self._drafting_best[n_requests] = _best_drafting(d["candidates"])

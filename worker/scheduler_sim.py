@@ -98,11 +98,11 @@ def _hits(seed: int, position: int, k: int, alpha: float) -> int:
 def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells, clock: list) -> tuple[int, float]:
     """`runs` runs of sc.requests requests through the scheduler: (tokens, seconds)."""
     tokens, seconds, m = 0, 0.0, sc.machine
-    pipelined = sc.requests == 1
     for run in range(runs):
         reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=PROMPT, ahead=False, plain_run=0, drafted=False)
                 for i in range(sc.requests)]
         while reqs:
+            pipelined = len(reqs) == 1  # as the engine's: a batch's last request runs alone, unbatched
             room = [max(0, sc.tokens - r["pos"] - 1 - r["ahead"]) for r in reqs]
             feeds = [r["lag"] - 1 if r["lag"] > 4 else 0 for r in reqs]
             plan = sched.plan([r["id"] for r in reqs], len(reqs), [r["lag"] > 4 for r in reqs], room,
