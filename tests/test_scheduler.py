@@ -357,6 +357,15 @@ def test_a_deeper_cell_seldom_measured_is_tried_again():
     stale.commit()
     assert stale.table()["1,2,2"] == pytest.approx(0.066) and depth(stale) >= 2
     assert depth(run(FEW_ROUNDS, STALE_GAP + 2)) == 1  # measured often enough: its figure stands
+    # ... in all: at α = 0.6 each fresh round, cheaper than the figure, started the cell anew, so it
+    # never reached FEW_ROUNDS and was tried again every ~40 rounds for a whole run (k = 2 at 64 ms)
+    retried = run(3, STALE_GAP + 2)
+    for _ in range(FEW_ROUNDS - 3):
+        retried.observe((1, 2, 2), 0.080)  # dearer than its neighbours imply, cheaper than its figure
+        for _ in range(STALE_GAP + 2):
+            retried.observe((1, 1, 1), 0.047)
+        retried.commit()
+    assert retried.counts()["1,2,2"] > 0  # measured FEW_ROUNDS times in all: its figure stands (0: priced by neighbours)
     dear_k1 = CostModel()
     for _ in range(4):
         dear_k1.observe((1, 0, 0), 0.030)
