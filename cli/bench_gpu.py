@@ -93,7 +93,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     progress(f"every joint shape compiled in {fig['warm_joint_s']:.1f} s")
     rows, fig["joint"] = [], []
     for alpha in args.alphas:
-        for recovery in ("fast", "replay"):
+        for recovery in args.recoveries:
             rows += _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced)
     _goals(fig)
     footer = "\n".join([
@@ -313,6 +313,9 @@ def add_command(benches) -> None:
     p.add_argument("--probe-repeats", type=int, default=3,
                    help="repeats of the side-by-side figures before the joint rows (kernels, modes, forward costs)")
     p.add_argument("--alphas", type=float, nargs="*", default=ALPHAS)
+    p.add_argument("--recoveries", nargs="+", choices=("fast", "replay"), default=["fast", "replay"],
+                   help="the joint rows' recovery paths (the goals read the fast rows; the replay rows take about a quarter "
+                        "of the joint rows' time, which one device call's 600 s can give to more --pair-repeats instead)")
     p.add_argument("--ks", type=int, nargs="*", default=KS)
     p.add_argument("--reference-acceptance", action="store_true",
                    help="accept by comparing tokens even at full size (random bf16 weights flip near-ties: α drifts)")

@@ -148,3 +148,16 @@ def test_a_quantized_model_reports_its_logical_parameter_count():
     plain, packed = gb.build(cfg, mx.float32, 0), gb.build(cfg, mx.float32, 0, bits=4)
     assert gb.n_params(packed) == gb.n_params(plain)
     assert gb.bytes_per_token(packed, cfg) < gb.bytes_per_token(plain, cfg) / 4
+
+
+def test_bench_gpu_fast_rows_only(tmp_path):
+    """--recoveries fast leaves out the replay rows (the goals read the fast ones): on the device
+    their time goes to more pairs within one call's 600 s."""
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "gpu", "--small", "--dtype", "fp32", "--tokens", "8",
+                        "--repeats", "1", "--pair-repeats", "2", "--probe-repeats", "1", "--alphas", "0.8", "--ks", "0", "1",
+                        "--recoveries", "fast", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fig = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {(j["recovery"], j["config"]) for j in fig["joint"]} == {("fast", c) for c in ("k=0", "k=1", "adaptive")}
+    ad = next(j for j in fig["joint"] if j["config"] == "adaptive")
+    assert len(ad["pairs_vs_best"]) == 2 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
