@@ -16,25 +16,42 @@ runs either side of it: four repeats alone read 1.47 where the same run's twelve
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli.bench import print_report, progress
+from cli import bench
+
+print_report = bench.print_report
 
 ALPHAS = (0.6, 0.8, 0.95)
 KS = (0, 1, 2, 4, 8)  # k = 0: the joint path's own plain cycles (its overhead over mlx-lm's loop)
 FORWARD_TOKENS = (1, 2, 4, 8, 16)
 GOALS = dict(roofline=0.40, joint_vs_plain=1.5, adaptive_vs_best=0.95, adaptive_vs_plain=0.97)
+REPORT_S = 15.0  # what --time-budget keeps back for the report after the last block
 WARMUP_RUNS = 2  # unmeasured runs of each configuration first, as `bench sched` does: the goals are about a
                  # server's steady state (after one, the adaptive scheduler had seen 4-15 position-1 drafts)
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """A progress line with the seconds since the run began (where a device call's time goes)."""
+    bench.progress(f"[{time.perf_counter() - _T0:.0f} s] {msg}")
 
 
 def run_gpu(args: argparse.Namespace) -> int:
     from worker import CUDA_GRAPH_ENV
     from worker import gpu_bench as gb
+
+    global _T0
+    _T0 = time.perf_counter()
 
     dtype = gb.DTYPES[args.dtype]
     tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
@@ -45,15 +62,20 @@ def run_gpu(args: argparse.Namespace) -> int:
     target = gb.build(tcfg, dtype, 0, args.bits)
     draft = gb.build(dcfg, dtype, 1, args.bits)
     fig: dict = {"device": gb.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small, "gdn": args.gdn,
+                 "side_by_side": args.side_by_side, "time_budget_s": args.time_budget,
                  "env": {k: os.environ.get(k) for k in CUDA_GRAPH_ENV},
                  "target_params": gb.n_params(target), "draft_params": gb.n_params(draft)}
     fig["copy_bandwidth_GBps"] = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30) / 1e9
     prompt = list(range(1, args.prompt_tokens + 1))
     reps = args.probe_repeats * 3
-    if gb.kernel_available():
+    if gb.kernel_available() and args.side_by_side:
         fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, prompt, args, reps)
+    elif gb.kernel_available():
+        from worker.spec import gdn_kernel
+
+        gdn_kernel.set_enabled(args.gdn == "kernel")
     fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
-    for mode in gb.MODES:  # side by side; the rest of the run uses --mode's choice
+    for mode in gb.MODES if args.side_by_side else (args.mode,):  # side by side; the rest of the run uses --mode's choice
         gb.set_mode(target, mode)
         gb.set_mode(draft, mode)
         fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
@@ -66,7 +88,9 @@ def run_gpu(args: argparse.Namespace) -> int:
     if args.bits is None:  # the draft's few-kernel path (spec/fast_draft.py): unquantized layers only
         fig["fast_check"] = gb.fast_check(draft)
         progress(f"draft kernels' path against its ops and mlx-lm's forward: {fig['fast_check']}")
-        for mode in ("kernels", "persistent") if fig["fast_check"]["persistent_ran"] else ("kernels",):
+        drafts = ("kernels", "persistent") if fig["fast_check"]["persistent_ran"] else ("kernels",)
+        used = [m for m in drafts if m == args.draft_mode] or ([] if args.draft_mode == "mode" else drafts[-1:])
+        for mode in drafts if args.side_by_side else used:
             gb.set_mode(draft, mode)
             fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
             fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
@@ -92,9 +116,12 @@ def run_gpu(args: argparse.Namespace) -> int:
     fig["warm_joint_s"] = gb.warm_joint_shapes(target, draft, len(prompt) + args.tokens)
     progress(f"every joint shape compiled in {fig['warm_joint_s']:.1f} s")
     rows, fig["joint"] = [], []
-    for alpha in args.alphas:
-        for recovery in args.recoveries:
-            rows += _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced)
+    blocks = [(alpha, recovery) for alpha in args.alphas for recovery in args.recoveries]
+    budget = PairTime(None if args.time_budget is None else _T0 + args.time_budget)
+    for i, (alpha, recovery) in enumerate(blocks):
+        rows += _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced,
+                            lambda block_s: budget.pairs_until(recovery, block_s, blocks[i + 1:]))
+    fig["pairs_by_alpha"] = {j["alpha"]: len(j["pairs_vs_best"]) for j in fig["joint"] if "pairs_vs_best" in j}
     _goals(fig)
     footer = "\n".join([
         f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; target {fig['target_params'] / 1e9:.2f} B, "
@@ -113,7 +140,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         "×plain: median over the repeats of the run's tokens/s ÷ the mean of the plain runs just before and after it; "
         "adaptive ÷ best fixed k, and ÷ plain (fast; medians of pairs of runs back to back between plain runs, and "
         "in brackets of the repeats, each paired so): " + ", ".join(
-            f"α={j['alpha']} {j['vs_best_fixed']:.2f} ({j['vs_best_fixed_in_repeats']:.2f}), "
+            f"α={j['alpha']} {j['vs_best_fixed']:.2f} ({j['vs_best_fixed_in_repeats']:.2f}) in {len(j.get('pairs_vs_best', []))} pairs, "
             f"÷ plain {j['vs_plain_goal']:.2f} ({j['vs_plain']:.2f})" for j in fig["joint"] if "vs_best_fixed" in j),
         f"acceptance by {fig['acceptance_by']}; exact = runs whose tokens equal the target's own greedy tokens "
         "(forced acceptance emits accepted drafts, so there it is not expected)",
@@ -156,7 +183,28 @@ def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
     return out
 
 
-def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced) -> list[tuple]:
+@dataclass
+class PairTime:
+    """--time-budget's share for each block's pairs: the time left, less what the blocks still to
+    come take (timed in this run: the same recovery's blocks so far, else every block's), split
+    evenly among the pairs still to run; a device call's 600 s then holds as many pairs as fit."""
+    end: float | None  # perf_counter() at which the report must start; None: no budget
+    block_s: dict = field(default_factory=dict)  # recovery: the seconds its blocks took, pairs aside
+
+    def pairs_until(self, recovery: str, block_s: float, rest: list[tuple]) -> float | None:
+        """When this block's pairs must stop (None: no budget), given what its runs took."""
+        self.block_s.setdefault(recovery, []).append(block_s)
+        if self.end is None or recovery != "fast":  # only the fast blocks run pairs
+            return None
+        every = [s for v in self.block_s.values() for s in v]
+        ahead = sum(statistics.mean(self.block_s.get(r) or every) for _, r in rest)
+        shares = 1 + sum(r == "fast" for _, r in rest)
+        now = time.perf_counter()
+        return now + (self.end - REPORT_S - now - ahead) / shares
+
+
+def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced,
+                pairs_until=lambda block_s: None) -> list[tuple]:
     """Every configuration at one (α, recovery), alternating over the repeats, each run between
     two plain runs: its ratio to plain is to the mean of those two, and a row's ratio is the
     median over the repeats. The host's pace changes in spells of seconds (plain runs of one
@@ -170,6 +218,7 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
     run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731
                                           recovery, k, vocab, scheds[name], forced)
+    t0 = time.perf_counter()
     for _ in range(WARMUP_RUNS):  # shapes compile, the scheduler learns
         for name, k in configs:
             run(name, k)
@@ -198,25 +247,31 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
                     f"{r.budget_mean:.1f}", f"{r.draft_s / cycle:.0%}", f"{r.verify_s / cycle:.0%}",
                     f"{r.recovery_s / cycle:.1%}", f"{len(rs) - differ}/{len(rs)}"))
         progress(f"  α={alpha} {recovery} {name}: {r.tokens_per_s:.1f} tok/s, {vs_plain:.2f}× plain")
+    until = pairs_until(time.perf_counter() - t0)
     if recovery == "fast" and args.pair_repeats:
         _pairs(fig["joint"][-len(configs):], dict(configs), run, args.pair_repeats,
-               lambda: gb.plain_decode(target, prompt, args.tokens)[0])
+               lambda: gb.plain_decode(target, prompt, args.tokens)[0], until)
     return out
 
 
-def _pairs(rows: list[dict], ks: dict, run, n: int, plain) -> None:
+def _pairs(rows: list[dict], ks: dict, run, n: int, plain, until: float | None = None) -> None:
     """Adaptive against the best fixed k of the repeats, in n more pairs of runs back to back
     (which goes first alternates), each pair between two plain runs (`plain()`: its tokens/s):
     the ratio within a pair, and adaptive's to the mean of the plain runs either side of its pair,
     are what the goal reads. Four repeats, each run set against its own plain neighbours, left
     identical work (adaptive drafting exactly k = 8's rounds) reading 0.77-1.09 of itself, and
     adaptive at α = 0.6 0.71-1.06 of plain; the pairs are also new runs, so choosing the best k by
-    its repeats does not flatter it."""
+    its repeats does not flatter it. `until` (perf_counter()): past n pairs, more, two at a time
+    (both orders), while two more fit before it."""
     best = max((j for j in rows if j["config"] != "adaptive"), key=lambda j: j["vs_plain"])
     ad = next(j for j in rows if j["config"] == "adaptive")
     ratios, vs_plain, best_vs_plain = [], [], []
     before = plain()
-    for i in range(n):
+    t0 = time.perf_counter()
+    for i in itertools.count():
+        pair_s = (time.perf_counter() - t0) / i if i else 0.0
+        if i >= n and (until is None or i % 2 == 0 and time.perf_counter() + 2 * pair_s > until):
+            break
         order = ["adaptive", best["config"]] if i % 2 == 0 else [best["config"], "adaptive"]
         tps = {name: run(name, ks[name]).tokens_per_s for name in order}
         after = plain()
@@ -226,7 +281,7 @@ def _pairs(rows: list[dict], ks: dict, run, n: int, plain) -> None:
         before = after
     ad.update(pairs_best=best["config"], pairs_vs_best=ratios, pairs_vs_plain=vs_plain)
     best["pairs_vs_plain"] = best_vs_plain
-    progress(f"  α={ad['alpha']} adaptive ÷ {best['config']} in {n} pairs: {statistics.median(ratios):.2f}, "
+    progress(f"  α={ad['alpha']} adaptive ÷ {best['config']} in {len(ratios)} pairs: {statistics.median(ratios):.2f}, "
              f"÷ plain {statistics.median(vs_plain):.2f}")
 
 
@@ -240,6 +295,8 @@ def _log_path(args, name: str) -> str | None:
 
 def _kernel_line(fig: dict) -> str:
     k = fig.get("gdn_kernel")
+    if not k and fig["side_by_side"] is False and fig["gdn"] == "kernel":
+        return "Gated-DeltaNet recurrence: one kernel (not measured against mlx-lm's ops: --no-side-by-side)"
     if not k:
         return "Gated-DeltaNet recurrence: mlx-lm's ops (no CUDA kernel here)"
     o, n, c = k["ops"], k["kernel"], k["check"]
@@ -316,6 +373,12 @@ def add_command(benches) -> None:
     p.add_argument("--recoveries", nargs="+", choices=("fast", "replay"), default=["fast", "replay"],
                    help="the joint rows' recovery paths (the goals read the fast rows; the replay rows take about a quarter "
                         "of the joint rows' time, which one device call's 600 s can give to more --pair-repeats instead)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="seconds the whole run may take: each α's pairs then run past --pair-repeats while the "
+                        "blocks still to come, as this run timed its own, leave time for them (a device call's limit)")
+    p.add_argument("--no-side-by-side", dest="side_by_side", action="store_false",
+                   help="measure only the forwards the joint rows use (--mode, --draft-mode, --gdn), not the others "
+                        "beside them: time for more pairs")
     p.add_argument("--ks", type=int, nargs="*", default=KS)
     p.add_argument("--reference-acceptance", action="store_true",
                    help="accept by comparing tokens even at full size (random bf16 weights flip near-ties: α drifts)")

@@ -151,13 +151,70 @@ def test_a_quantized_model_reports_its_logical_parameter_count():
 
 
 def test_bench_gpu_fast_rows_only(tmp_path):
-    """--recoveries fast leaves out the replay rows (the goals read the fast ones): on the device
-    their time goes to more pairs within one call's 600 s."""
+    """--recoveries fast leaves out the replay rows (the goals read the fast ones) and
+    --no-side-by-side the forwards the joint rows do not use: on the device their time goes to
+    more pairs within one call's 600 s."""
     r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "gpu", "--small", "--dtype", "fp32", "--tokens", "8",
                         "--repeats", "1", "--pair-repeats", "2", "--probe-repeats", "1", "--alphas", "0.8", "--ks", "0", "1",
-                        "--recoveries", "fast", "--json"], capture_output=True, text=True, timeout=600)
+                        "--recoveries", "fast", "--no-side-by-side", "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     fig = json.loads(r.stdout.strip().splitlines()[-1])
     assert {(j["recovery"], j["config"]) for j in fig["joint"]} == {("fast", c) for c in ("k=0", "k=1", "adaptive")}
     ad = next(j for j in fig["joint"] if j["config"] == "adaptive")
     assert len(ad["pairs_vs_best"]) == 2 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
+    assert fig["pairs_by_alpha"] == {"0.8": 2} and not fig["side_by_side"]
+    assert set(fig["plain_tps_by_mode"]) == {"static"} and set(fig["draft_step_ms"]) == {"static", "kernels"}
+    assert "[" in r.stderr and " s] " in r.stderr  # progress lines tell the seconds since the start
+
+
+class _Clock:
+    """perf_counter() for cli.bench_gpu, advanced by the fake runs below."""
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+def test_pairs_fill_the_time_they_are_given(monkeypatch):
+    """With a deadline the pairs run past --pair-repeats, two at a time, while two more fit before
+    it; without one, or with it already past, exactly --pair-repeats."""
+    from types import SimpleNamespace
+
+    from cli import bench_gpu as bg
+
+    monkeypatch.setattr(bg, "time", _Clock)
+
+    def run(name, k):
+        _Clock.now += 1.0
+        return SimpleNamespace(tokens_per_s=100.0 if name == "adaptive" else 80.0)
+
+    def plain():
+        _Clock.now += 0.5
+        return 50.0
+
+    for until, pairs in ((None, 2), (-1.0, 2), (20.0, 6)):
+        _Clock.now = 0.0
+        rows = [{"config": c, "vs_plain": v, "alpha": 0.8} for c, v in (("k=4", 1.6), ("k=0", 1.0), ("adaptive", 1.2))]
+        bg._pairs(rows, {"k=4": 4, "k=0": 0, "adaptive": None}, run, 2, plain, None if until is None else until)
+        ad = rows[-1]
+        assert ad["pairs_best"] == "k=4" and len(ad["pairs_vs_best"]) == pairs  # each pair 2.5 s: 6 end at 15.5
+        assert ad["pairs_vs_best"] == [1.25] * pairs and ad["pairs_vs_plain"] == [2.0] * pairs
+        assert until is None or until < 0 or _Clock.now <= until
+
+
+def test_the_time_left_is_shared_among_the_fast_blocks_still_to_run(monkeypatch):
+    """PairTime: the budget less the report's share and the blocks to come (timed as this run's
+    blocks of the same recovery took, else as any block), split among the fast blocks left."""
+    from cli import bench_gpu as bg
+
+    monkeypatch.setattr(bg, "time", _Clock)
+    budget = bg.PairTime(end=100.0 + bg.REPORT_S)
+    _Clock.now = 20.0
+    rest = [(0.6, "replay"), (0.8, "fast"), (0.8, "replay")]
+    assert budget.pairs_until("fast", 10.0, rest) == 20.0 + (100.0 - 20.0 - 3 * 10.0) / 2
+    _Clock.now = 45.0
+    assert budget.pairs_until("replay", 6.0, rest[1:]) is None  # a replay block runs no pairs
+    _Clock.now = 51.0
+    assert budget.pairs_until("fast", 12.0, rest[2:]) == 51.0 + (100.0 - 51.0 - 6.0)
+    assert bg.PairTime(end=None).pairs_until("fast", 10.0, []) is None
