@@ -1144,24 +1144,7 @@ def test_a_catch_up_is_priced_by_the_pieces_and_tokens_it_feeds():
     assert CostModel().feed_seconds(1, 109) is None  # nothing measured
     few = CostModel()
     few.set_aside((1, 4, 4), 0.010, "draft catch-up", (5, 2))
-    assert few.feed_seconds(1, 109) == pytest.approx(0.025)  # too few to tell pieces from tokens: by its pieces
-
-
-def test_a_catch_up_is_priced_as_its_own_share_of_a_batch_catch_up():
-    """A round's catch-up feeds every request's draft at once: priced from it, a request's share
-    is by what that request feeds, not the whole round's (four requests' one prefill, 119 ms for
-    161 tokens in 14 pieces, had priced each of them at 119 ms); too few of N requests, those of
-    other N's are read (a catch-up is the draft's alone)."""
-    cm = CostModel()
-    cm.set_aside((4, 4, 1), 0.119, "draft prefill", (161, 14))  # the batch's prefill, its four prompts at once
-    each = [cm.feed_seconds(4, t) for t in (35, 39, 43, 44)]  # those prompts: 161 tokens, 3 + 4 + 4 + 3 pieces
-    assert sum(each) == pytest.approx(0.119)
-    assert cm.catch_up_seconds(4) == pytest.approx(0.119)  # the median a request's share was priced at
-    for t in (4, 7, 12, 31, 64):  # one request's catch-ups, by tokens
-        cm.set_aside((1, 2, 2), 0.001 * t + 0.002 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
-    assert cm.feed_seconds(1, 20) == pytest.approx(0.020 + 0.004)  # enough of one request: its own, by tokens
-    assert cm.catch_up_seconds(2) is None and cm.feed_seconds(2, 20) == pytest.approx(cm.feed_seconds(4, 20))  # every N's
-    assert 0.010 < cm.feed_seconds(2, 20) < 0.030
+    assert few.feed_seconds(1, 109) == pytest.approx(0.010)  # too few to fit: the median
 
 
 def test_a_late_probe_waits_for_what_its_catch_up_costs():

@@ -311,16 +311,11 @@ class CostModel:
         A catch-up's cost is by its pieces on the H200 (5-7 ms each, one launch a piece, whatever
         its tokens) and by its tokens here; a median of every catch-up, most of them a few tokens
         after short sit-outs, priced a probe late in a request that never drafted at a fifth of
-        its 81 ms there. Too few of n requests: those of every N (a catch-up is timed apart, its
-        draft's alone), however few: the median of a round's catch-ups, which feed every request's
-        draft at once, priced each request's (the sum of four ×4: distilled ×4's one prefill, 119 ms
-        for 161 tokens, priced a restart at 465 ms and probes out of reach, plain for 270 rounds)."""
+        its 81 ms there."""
         if not tokens:
             return 0.0
         rows = [(t, k, p) for m, t, k, p in self.fed if m == n][-WINDOW:]
         if len(rows) < MIN_SAMPLES:
-            rows = [(t, k, p) for _, t, k, p in self.fed][-WINDOW:]
-        if not rows:
             return self.catch_up_seconds(n)
         per_piece, per_token = fit_feed(rows)
         return (per_piece * feed_pieces(tokens) + per_token * tokens) * self.pace
