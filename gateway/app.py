@@ -319,5 +319,5 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
-    Surfaces(gw).register(app)  # web UI, /metrics, /v1/verity/info and /v1/verity/stats
+    Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining).register(app)
     return app

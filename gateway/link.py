@@ -26,10 +26,6 @@ class QueueFull(Exception):
     pass
 
 
-class WorkerUnavailable(Exception):
-    pass
-
-
 @dataclass
 class Tracked:
     id: str

@@ -10,15 +10,14 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import msgspec
 from aiohttp import web
 
+from gateway.link import WorkerLink
 from gateway.metrics import Counters, Exposition, render
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 STATIC_DIR = Path(__file__).parent / "static"
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -35,10 +34,12 @@ def _version() -> str:
 
 
 class Surfaces:
-    def __init__(self, gw: "Gateway"):
-        self.gw = gw
+    """The web UI, /metrics, /v1/verity/info and /v1/verity/stats, from what they read."""
+
+    def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
+        self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
         self.counters = Counters()
-        gw.link.on_end.append(self.counters.observe)
+        link.on_end.append(self.counters.observe)
 
     def register(self, app: web.Application) -> None:
         app.on_response_prepare.append(self._count_response)
@@ -58,7 +59,7 @@ class Surfaces:
         return web.FileResponse(STATIC_DIR / "index.html")
 
     def _worker(self) -> dict | None:
-        w = self.gw.link.worker
+        w = self.link.worker
         return None if w is None else {"pid": w.pid, "model": w.model_id, "draft_id": w.draft_id,
                                        "joint_available": w.joint_available, "context_limit": w.context_limit}
 
@@ -67,22 +68,22 @@ class Surfaces:
         return web.json_response({
             "ready": bool(w), "model": w.get("model"), "joint_available": w.get("joint_available", False),
             "draft_id": w.get("draft_id"), "context_limit": w.get("context_limit"),
-            "max_tokens_cap": self.gw.config.max_tokens_cap, "version": _version(),
+            "max_tokens_cap": self.max_tokens_cap, "version": _version(),
         })
 
     def _load(self) -> tuple[int, int]:
         """(running, waiting) among the admitted requests."""
-        waiting = self.gw.link.waiting_count()
-        return len(self.gw.link.requests) - waiting, waiting
+        waiting = self.link.waiting_count()
+        return len(self.link.requests) - waiting, waiting
 
     async def stats(self, request: web.Request) -> web.Response:
-        gw, link = self.gw, self.gw.link
+        link = self.link
         running, waiting = self._load()
         snap = link.worker_stats
         return web.json_response({
             "time": time.time(),
             "launcher": {"pid": os.getppid()},
-            "gateway": {"pid": os.getpid(), "started_at": gw.started_at, "draining": gw.draining,
+            "gateway": {"pid": os.getpid(), "started_at": self.started_at, "draining": self.draining(),
                         "admitted": running + waiting, "running": running, "waiting": waiting,
                         "capacity": link.capacity, "worker_restarts": link.worker_restarts},
             "worker": self._worker(),
@@ -92,7 +93,7 @@ class Surfaces:
         })
 
     async def metrics(self, request: web.Request) -> web.Response:
-        link = self.gw.link
+        link = self.link
         running, waiting = self._load()
         text = render(self.counters, model=link.worker.model_id if link.worker else None,
                       draft=link.worker.draft_id if link.worker else None, worker_up=link.ready,

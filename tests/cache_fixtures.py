@@ -15,7 +15,7 @@ import zmq
 from protocol import codec, messages as m, runtime
 from worker.engine import Engine, EngineConfig, cache_identity
 from worker.loader import LoadedModel
-from worker.reuse import PrefixCache
+from worker.state.reuse import PrefixCache
 
 READY_TIMEOUT_S = 30
 

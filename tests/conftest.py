@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from worker.tiny_models import tiny_model_dir  # noqa: E402
+from bench.tiny_models import tiny_model_dir  # noqa: E402
 from reliability import pytest_runtest_logreport, pytest_sessionfinish, reliability  # noqa: E402,F401  RELIABILITY.md
 
 FULL = os.environ.get("VERITY_FULL") == "1"

@@ -10,17 +10,18 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from worker.tiny_models import build_tiny_model
+from bench.tiny_models import build_tiny_model
 from worker.loader import LoadedModel, check_tokenizers_agree, load_model
-from worker.spec.draft import ControlledDrafter, Drafter
-from worker.spec.joint import JointDecoder
-from worker.spec.sampling import SamplingParams
-from worker.spec.state import install_recording
+from bench.drafters import ControlledDrafter
+from worker.joint.draft import Drafter
+from worker.joint.decoder import JointDecoder
+from worker.joint.sampling import SamplingParams
+from worker.state.checkpoint import install_recording
 
 PAIRS = {"llama+llama": ("llama", "llama"), "qwen3_5+qwen3_5": ("qwen3_5", "qwen3_5"),
          "qwen3_5+llama": ("qwen3_5", "llama")}
 DRAFTS = ("copy", "wrong", "perturbed")
-PERTURB_NOISE = 0.3  # about half the proposals accepted (worker/tiny_models.py)
+PERTURB_NOISE = 0.3  # about half the proposals accepted (bench/tiny_models.py)
 K_SCHEDULE = (4, 0, 0, 1, 3, 0, 2, 5)  # every verify width, and pipelined plain cycles (k = 0) between
 PROMPTS = [
     "the quick brown fox", "hello world", "once upon a time", "one two three four", "tell me a story",

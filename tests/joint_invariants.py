@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from joint_fixtures import DRAFTS, PAIRS, baseline_greedy, joint_greedy, load_pair, make_drafter, prompt_ids  # noqa: E402
-from worker.spec import state as st  # noqa: E402
-from worker.spec.batch import joint_round  # noqa: E402
-from worker.spec.joint import JointDecoder  # noqa: E402
-from worker.spec.sampling import SamplingParams  # noqa: E402
+from worker.state import checkpoint as st  # noqa: E402
+from worker.joint.batch import joint_round  # noqa: E402
+from worker.joint.decoder import JointDecoder  # noqa: E402
+from worker.joint.sampling import SamplingParams  # noqa: E402
 
 PROMPTS, TOKENS = ["the quick brown fox", "once upon a time"], 24
 

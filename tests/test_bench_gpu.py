@@ -57,9 +57,9 @@ def test_fused_layers_compute_what_eager_layers_compute():
     models compiled equals the compiled target's own greedy tokens."""
     import mlx.core as mx
 
-    from worker import gpu_bench as gb
-    from worker.spec import state as st
-    from worker.spec.fused import FusedDecoderLayer, set_fused
+    from bench import gpu_rounds as gb
+    from worker.state import checkpoint as st
+    from bench.fused import FusedDecoderLayer, set_fused
 
     cfg = dict(gb.DRAFT_08B, **gb.SMALL)
     eager, fused = gb.build(cfg, mx.float32, seed=3), gb.build(cfg, mx.float32, seed=3)
@@ -94,9 +94,9 @@ def test_a_static_forward_computes_what_the_eager_forward_computes(monkeypatch):
     equals the static target's own greedy tokens, which equal the eager target's."""
     import mlx.core as mx
 
-    from worker import gpu_bench as gb
-    from worker.spec import state as st
-    from worker.spec import static
+    from bench import gpu_rounds as gb
+    from worker.state import checkpoint as st
+    from bench import static
 
     monkeypatch.setattr(static, "CAPACITY_STEP", 64)
     cfg = dict(gb.DRAFT_08B, **gb.SMALL)
@@ -142,7 +142,7 @@ def test_a_quantized_model_reports_its_logical_parameter_count():
     not the number of packed elements (a 4-bit 9 B target once read "1.40 B")."""
     import mlx.core as mx
 
-    from worker import gpu_bench as gb
+    from bench import gpu_rounds as gb
 
     cfg = dict(gb.TARGET_9B, **gb.SMALL)
     plain, packed = gb.build(cfg, mx.float32, 0), gb.build(cfg, mx.float32, 0, bits=4)
@@ -168,7 +168,7 @@ def test_bench_gpu_fast_rows_only(tmp_path):
 
 
 class _Clock:
-    """perf_counter() for cli.bench_gpu, advanced by the fake runs below."""
+    """perf_counter() for bench.gpu, advanced by the fake runs below."""
     now = 0.0
 
     @classmethod
@@ -181,7 +181,7 @@ def test_pairs_fill_the_time_they_are_given(monkeypatch):
     it; without one, or with it already past, exactly --pair-repeats."""
     from types import SimpleNamespace
 
-    from cli import bench_gpu as bg
+    from bench import gpu as bg
 
     monkeypatch.setattr(bg, "time", _Clock)
 
@@ -206,7 +206,7 @@ def test_pairs_fill_the_time_they_are_given(monkeypatch):
 def test_the_time_left_is_shared_among_the_fast_blocks_still_to_run(monkeypatch):
     """PairTime: the budget less the report's share and the blocks to come (timed as this run's
     blocks of the same recovery took, else as any block), split among the fast blocks left."""
-    from cli import bench_gpu as bg
+    from bench import gpu as bg
 
     monkeypatch.setattr(bg, "time", _Clock)
     budget = bg.PairTime(end=100.0 + bg.REPORT_S)

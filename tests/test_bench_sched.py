@@ -5,7 +5,7 @@ import statistics
 import subprocess
 import sys
 
-from cli.bench_sched import TINY_REPEAT_FACTOR
+from bench.sched import TINY_REPEAT_FACTOR
 
 
 def test_bench_sched_quick(tmp_path):
@@ -42,7 +42,7 @@ def test_bench_sched_quick(tmp_path):
 def test_the_controlled_draft_meets_the_same_hard_tokens_whatever_the_budget():
     """Whether a position is proposed right depends on (seed, position) only, so configurations
     compared in one bench meet the same hard tokens, in whatever order they propose them."""
-    from worker.spec.draft import ControlledDrafter
+    from bench.drafters import ControlledDrafter
 
     ref = list(range(100, 400))
 

@@ -15,7 +15,7 @@ import pytest
 
 from stack import Stack
 from worker.scheduler import allocate, rank, survivals
-from worker.tiny_models import build_tiny_model
+from bench.tiny_models import build_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -13,12 +13,12 @@ import pytest
 
 from conftest import FULL
 from joint_fixtures import baseline_greedy, first_divergence, top2_gap
-from worker.draft import distill as d
+from bench.distill import train as d
 from worker.draft.model import ASSET_DIR, DRAFT_ID, load_embedded_draft
 from worker.loader import load_draft, load_model
-from worker.spec.draft import Drafter
-from worker.spec.joint import JointDecoder
-from worker.spec.sampling import SamplingParams
+from worker.joint.draft import Drafter
+from worker.joint.decoder import JointDecoder
+from worker.joint.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, N_TOKENS = (20, 128) if FULL else (3, 40)
@@ -59,8 +59,8 @@ HELDOUT_TEMPLATES = ("Tell me about ", "Write a paragraph describing ", "What do
 
 
 def test_training_prompts_are_the_committed_generator_output_and_avoid_heldout():
-    """train_prompts.txt is what worker/draft/prompts.py draws; no held-out template or topic is in it."""
-    from worker.draft import prompts
+    """train_prompts.txt is what bench/distill/prompts.py draws; no held-out template or topic is in it."""
+    from bench.distill import prompts
 
     assert d.read_prompts(d.TRAIN_PROMPTS) == prompts.build() and len(set(prompts.build())) == prompts.COUNT
     held = d.read_prompts(d.HELDOUT_PROMPTS)

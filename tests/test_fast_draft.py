@@ -1,15 +1,15 @@
-"""The draft's few-kernel forward (worker/spec/fast_draft.py) against mlx-lm's forward.
+"""The draft's few-kernel forward (worker/kernels/fast_draft.py) against mlx-lm's forward.
 
-On the CPU it runs the kernels' ops (worker/spec/draft_kernels.py); `verity bench gpu` checks the
+On the CPU it runs the kernels' ops (worker/kernels/draft.py); `verity bench gpu` checks the
 CUDA kernels against those ops on the device."""
 
 import mlx.core as mx
 import pytest
 
-from worker import gpu_bench as gb
-from worker.spec import draft_kernels as dk
-from worker.spec import fast_draft
-from worker.spec import state as st
+from bench import gpu_rounds as gb
+from worker.kernels import draft as dk
+from worker.kernels import fast_draft
+from worker.state import checkpoint as st
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_a_draft_takes_the_kernels_path_only_where_they_run(monkeypatch):
 
 
 def test_the_one_launch_steps_weights_are_stacked_and_shared_with_the_sublayer_path():
-    from worker.spec import persistent_draft as pd
+    from worker.kernels import persistent_draft as pd
 
     # head_dim 256 with a quarter rotary: the 64 RoPE dims the one-launch step takes (as the 0.8 B draft's)
     m = gb.build(dict(gb.DRAFT_08B, **dict(gb.SMALL, head_dim=256), full_attention_interval=2), mx.float32, 4)
@@ -90,7 +90,7 @@ def test_the_one_launch_steps_weights_are_stacked_and_shared_with_the_sublayer_p
 
 def test_a_full_kv_cache_grows_before_the_one_launch_step_writes_into_it():
     from mlx_lm.models.cache import KVCache
-    from worker.spec import persistent_draft as pd
+    from worker.kernels import persistent_draft as pd
 
     c = KVCache()
     k = mx.random.normal((1, 2, 256, 8))

@@ -18,11 +18,11 @@ from joint_fixtures import (DRAFTS, PAIRS, PROMPTS, baseline_greedy, first_diver
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker.loader import PairingError, check_tokenizers_agree
-from worker.spec import state as st
+from worker.state import checkpoint as st
 from worker.scheduler import PIPELINE_WARM_ROUNDS
-from worker.spec.draft import Drafter
-from worker.spec.joint import CATCH_UP_LAG, JointDecoder
-from worker.spec.sampling import SamplingParams, accept_sampled, make_key_fn
+from worker.joint.draft import Drafter
+from worker.joint.decoder import CATCH_UP_LAG, JointDecoder
+from worker.joint.sampling import SamplingParams, accept_sampled, make_key_fn
 
 N_PROMPTS, N_TOKENS = (20, 128) if FULL else (6, 48)
 NEAR_TIE = 1e-3
@@ -223,7 +223,7 @@ def test_rejection_sampling_end_to_end_matches_baseline(pairs):
 def test_draft_catch_up_pieces_are_powers_of_two():
     """A draft that lags after plain cycles catches up in few distinct input lengths (each new one
     compiles kernels on a GPU): binary pieces, largest first, capped."""
-    from worker.spec.draft import pow2_pieces
+    from worker.joint.draft import pow2_pieces
 
     assert pow2_pieces(13) == [8, 4, 1] and pow2_pieces(1) == [1] and pow2_pieces(0) == []
     assert pow2_pieces(1100, most=512) == [512, 512, 64, 8, 4]
@@ -236,8 +236,8 @@ def test_a_lagging_draft_catches_up_in_pieces_of_powers_of_two(pairs):
     """The catch-up after plain cycles feeds the draft those pieces, not one input of the lag's
     length (on the H200 every new length compiled for 1.5-2 s, and the scheduler, pricing a
     catch-up so, never drafted again), and ends where one feed of the whole lag does."""
-    from worker.spec import state as st
-    from worker.spec.draft import Drafter
+    from worker.state import checkpoint as st
+    from worker.joint.draft import Drafter
 
     model = pairs["qwen3_5+qwen3_5"].drafts["perturbed"].model
     fed = []

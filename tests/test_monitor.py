@@ -16,7 +16,7 @@ from cli.client import complete
 from cli.monitor import Monitor, fetch_stats, render
 from cli.stack_process import StackProcess
 from stack import wait_until
-from worker.tiny_models import build_tiny_model
+from bench.tiny_models import build_tiny_model
 
 FRAME = "verity monitor  "  # every frame starts with this title
 

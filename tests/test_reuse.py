@@ -15,7 +15,7 @@ from conftest import FULL
 from joint_fixtures import first_divergence, load_pair, top2_gap
 from stack import wait_until
 from worker.engine import Engine, EngineConfig
-from worker.snapshots import SnapshotStore, arrays_of, restore
+from worker.state.snapshots import SnapshotStore, arrays_of, restore
 from worker.text import render_prompt
 
 ARCHS = ("llama", "qwen3_5")  # pure attention (snapshots may be cut back) and hybrid (exact boundaries only)

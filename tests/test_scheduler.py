@@ -17,7 +17,7 @@ from joint_fixtures import PAIRS, load_pair
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker import scheduler_sim as sim
+from bench import simulator as sim
 from worker.scheduler import EXPLORE_MARGIN, FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
 
 EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
@@ -1032,7 +1032,7 @@ def test_drafting_tells_what_the_last_decision_with_room_chose():
 
 
 def test_the_simulator_prices_budgets_by_its_table_and_adaptive_follows_the_best():
-    """worker/scheduler_sim.py, the quick check of a scheduler change: where drafts are nearly
+    """bench/simulator.py, the quick check of a scheduler change: where drafts are nearly
     always right k = 4 beats plain rounds by its table's margin and adaptive keeps up with it; where
     they are always wrong, k = 1 loses and adaptive stays with plain rounds."""
     easy = sim.Scenario("α=0.9 ×1", lambda p, n: 0.9, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)

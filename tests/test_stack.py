@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from stack import LAUNCH_STACK, Stack, until
-from worker.tiny_models import build_tiny_model
+from bench.tiny_models import build_tiny_model
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

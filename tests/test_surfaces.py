@@ -19,7 +19,7 @@ from cli.client import complete
 from cli.launch import parse_args
 from gateway.surfaces import STATIC_DIR
 from stack import LAUNCH_STACK, Stack, wait_until
-from worker.tiny_models import build_tiny_model
+from bench.tiny_models import build_tiny_model
 
 KEY = "surface-key"
 

@@ -64,8 +64,3 @@ def use(prefill_work: float = 0.0) -> None:
     if _set is not None and n != _now:
         _set(n)
         _now = n
-
-
-def current() -> Optional[int]:
-    """The thread count last set (None: never set, or nothing to set)."""
-    return _now

@@ -22,7 +22,7 @@ from typing import Optional
 import zmq
 
 from protocol import codec, messages as m
-from worker.snapshots import SnapshotStore
+from worker.state.snapshots import SnapshotStore
 
 log = logging.getLogger("verity.worker")
 LOOKUP_TIMEOUT_S = 0.5

@@ -21,12 +21,12 @@ from protocol import messages as m
 from worker import blas_threads
 from worker.loader import LoadedModel
 from worker.sampling import make_request_sampler
-from worker.spec.draft import Drafter
-from worker.spec.batch import joint_round
-from worker.spec.joint import CycleStats, JointDecoder, switching_cost
-from worker.spec.sampling import SamplingParams
+from worker.joint.draft import Drafter
+from worker.joint.batch import joint_round
+from worker.joint.decoder import CycleStats, JointDecoder, switching_cost
+from worker.joint.sampling import SamplingParams
 from worker.scheduler import Scheduler
-from worker.reuse import Plan, PrefixCache, Start
+from worker.state.reuse import Plan, PrefixCache, Start
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
 
@@ -64,7 +64,7 @@ class _Request:
     done: bool = False
     finished: Optional[m.Finished] = None
     last_token_at: float = 0.0
-    plan: Optional[Plan] = None  # prefix reuse (worker/reuse.py)
+    plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
 
 
 @dataclass

@@ -88,7 +88,7 @@ def load_draft(spec: str, target: LoadedModel) -> LoadedModel:
         return _load_embedded_draft(target)
     draft = load_model(spec)
     check_tokenizers_agree(target.tokenizer, draft.tokenizer)
-    from worker.spec.fast_draft import install_where_it_runs
+    from worker.kernels.fast_draft import install_where_it_runs
 
     install_where_it_runs(draft.model)  # a Qwen3.5 draft on a CUDA GPU: its steps in a few large kernels
     return draft
@@ -160,7 +160,3 @@ def file_identity(path: Path) -> str:
     with open(path, "rb") as fh:
         h.update(fh.read(1 << 20))
     return h.hexdigest()[:16]
-
-
-def describe(lm: LoadedModel) -> str:
-    return json.dumps({"model": lm.model_id, "revision": lm.revision, "quantization": lm.quantization})

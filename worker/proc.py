@@ -23,8 +23,8 @@ from protocol import codec, messages as m, runtime
 from worker import faults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
-from worker.reuse import PrefixCache
-from worker.spec.state import install_recording
+from worker.state.reuse import PrefixCache
+from worker.state.checkpoint import install_recording
 
 log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5

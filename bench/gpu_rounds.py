@@ -20,13 +20,13 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models import qwen3_5
 
 from worker.scheduler import Scheduler
-from worker.spec import state as st
-from worker.spec.draft import ControlledDrafter
-from worker.spec.fast_draft import set_fast
-from worker.spec.fused import set_fused
-from worker.spec.joint import JointDecoder, switching_cost
-from worker.spec.sampling import SamplingParams
-from worker.spec.static import set_static
+from worker.state import checkpoint as st
+from bench.drafters import ControlledDrafter, ForcedDecoder, ForcedDrafter
+from worker.kernels.fast_draft import set_fast
+from bench.fused import set_fused
+from worker.joint.decoder import JointDecoder, switching_cost
+from worker.joint.sampling import SamplingParams
+from bench.static import set_static
 
 _COMMON = dict(model_type="qwen3_5_text", linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
                vocab_size=248320, max_position_embeddings=32768,
@@ -46,7 +46,7 @@ DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
 
 
 def kernel_available() -> bool:
-    from worker.spec import gdn_kernel
+    from worker.kernels import gdn as gdn_kernel
 
     return gdn_kernel.available()
 
@@ -154,7 +154,7 @@ def warm_joint_shapes(target, draft, longest: int) -> float:
     where others read 130). The target: verifies of 1 to POSITIONS + 1 tokens, recorded or not;
     the draft: forwards of 1 to MAX_T tokens and its catch-up pieces (powers of two up to `longest`)."""
     from worker.scheduler import POSITIONS
-    from worker.spec.draft_kernels import MAX_T
+    from worker.kernels.draft import MAX_T
 
     t0 = time.perf_counter()
     for n in range(1, POSITIONS + 2):
@@ -172,7 +172,7 @@ def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
     every recorded state, and their scale."""
     from mlx_lm.models.gated_delta import gated_delta_ops
 
-    from worker.spec import gdn_kernel
+    from worker.kernels import gdn as gdn_kernel
 
     attn = next(l.linear_attn for l in model.layers if hasattr(l, "linear_attn"))
     B, Hk, Dk, Hv, Dv = 2, attn.num_k_heads, attn.head_k_dim, attn.num_v_heads, attn.head_v_dim
@@ -202,8 +202,8 @@ def fast_check(model, context: int = 64) -> dict:
     """The draft's kernels' path (spec/fast_draft.py) against its ops and against mlx-lm's forward,
     one forward of 1 and of 2 tokens after `context`: the largest logit differences, their scale,
     whether the argmax agrees, and the largest difference of the recurrent states after them."""
-    from worker.spec import draft_kernels as dk
-    from worker.spec import fast_draft, persistent_draft
+    from worker.kernels import draft as dk
+    from worker.kernels import fast_draft, persistent_draft
 
     layers = fast_draft._prepare(model)
     ran = dk.available(layers[0].ln1.dtype)
@@ -293,33 +293,6 @@ class JointRun:
 
 
 _RUNS = itertools.count()  # request ids of joint_decode's runs
-
-
-class ForcedDrafter(ControlledDrafter):
-    """The controlled draft, remembering which of its proposals it meant to be right."""
-
-    def propose_lazily(self, context, k, position, params, key_fn):
-        self.meant_right: list[bool] = []
-        return super().propose_lazily(context, k, position, params, key_fn)
-
-    def pick(self, position):
-        tok = super().pick(position)
-        self.meant_right.append(tok == (self.reference[position] if position < len(self.reference) else 0))
-        return tok
-
-
-class ForcedDecoder(JointDecoder):
-    """Bench only, never served: the verify forward runs as always, but acceptance follows the
-    draft's intent (every proposal it meant to be right, up to the first it meant to be wrong),
-    so a run has acceptance α by construction. Random bf16 weights put near-ties everywhere, and
-    a verify of several tokens flips some that one-token decoding does not: a draft proposing a
-    fixed reference would then be wrong ever after, and α would not be what is measured. The
-    costs (draft steps, verify width, recovery of n accepted) are those of real acceptance."""
-
-    def decide(self, drafted, qs, logits, choices=None):
-        flags = self.drafter.meant_right[: len(drafted)] if drafted else []
-        n = next((i for i, right in enumerate(flags) if not right), len(flags))
-        return n, (mx.argmax(logits[n]) if choices is None else choices[n]).item()
 
 
 def joint_decode(*args, **kwargs) -> JointRun:

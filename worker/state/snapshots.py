@@ -30,7 +30,7 @@ import msgspec
 from mlx_lm.models.cache import KVCache
 
 from protocol import messages as m
-from worker.spec.state import RecordingArraysCache
+from worker.state.checkpoint import RecordingArraysCache
 
 log = logging.getLogger("verity.worker")
 FORMAT = "verity-snapshot-1"

@@ -1,4 +1,4 @@
-"""Cycle-interleaved duels for `verity bench spec`: verity's joint decoding (fast recovery) and
+"""Cycle-interleaved duels for `verity bench joint`: verity's joint decoding (fast recovery) and
 mlx-lm's speculative_generate_step take turns one cycle at a time on the same target, draft and
 k, which resolves their ratio far better than whole runs on a shared machine."""
 
@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import Callable
 
-from worker.spec_bench import Group
+from bench.joint_rows import Group
 
 
 class VerityCycles:
@@ -20,9 +20,9 @@ class VerityCycles:
         self.jd, self.out, self.finished = None, [], []
 
     def cycle(self) -> tuple[float, int]:
-        from worker.spec.draft import Drafter
-        from worker.spec.joint import JointDecoder
-        from worker.spec.sampling import SamplingParams
+        from worker.joint.draft import Drafter
+        from worker.joint.decoder import JointDecoder
+        from worker.joint.sampling import SamplingParams
 
         if self.jd is None or len(self.out) >= self.n:
             if self.jd is not None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli import bench
+from bench import common as bench
 
 print_report = bench.print_report
 
@@ -47,8 +47,10 @@ def progress(msg: str) -> None:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
-    from worker import CUDA_GRAPH_ENV
-    from worker import gpu_bench as gb
+    from worker.backend_env import CUDA_GRAPH_ENV, apply
+
+    apply()
+    from bench import gpu_rounds as gb
 
     global _T0
     _T0 = time.perf_counter()
@@ -71,7 +73,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     if gb.kernel_available() and args.side_by_side:
         fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, prompt, args, reps)
     elif gb.kernel_available():
-        from worker.spec import gdn_kernel
+        from worker.kernels import gdn as gdn_kernel
 
         gdn_kernel.set_enabled(args.gdn == "kernel")
     fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
@@ -159,7 +161,7 @@ def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
     per-token ops, eager forwards, alternated over the repeats: its agreement with the ops, plain
     decoding, the target's forward for 1 and 4 tokens, the draft's step. The rest of the run uses
     the kernel unless --gdn ops."""
-    from worker.spec import gdn_kernel
+    from worker.kernels import gdn as gdn_kernel
 
     out = {"check": gb.kernel_check(target)}
     progress(f"Gated-DeltaNet kernel against ops: {out['check']}")
@@ -393,6 +395,6 @@ def add_command(benches) -> None:
 
 
 if __name__ == "__main__":
-    from cli.main import main
+    from bench.cli import main
 
     sys.exit(main(["bench", "gpu", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """The committed training prompt set: templates × topics, drawn with a fixed seed.
 
-`python -m worker.draft.prompts` rewrites train_prompts.txt; a test checks the file matches. No
+`python -m bench.distill.prompts` rewrites train_prompts.txt; a test checks the file matches. No
 template or topic of heldout_prompts.txt is used here, so the held-out score is honest.
 """
 

@@ -16,9 +16,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from worker.spec import state as st
-from worker.spec.draft import Drafter
-from worker.spec.joint import CATCH_UP_LAG, JointDecoder
+from worker.state import checkpoint as st
+from worker.joint.draft import Drafter
+from worker.joint.decoder import CATCH_UP_LAG, JointDecoder
 
 
 def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from cli.bench import median, print_report, progress
+from bench.common import median, print_report, progress
 from cli.blas import reexec_with_blas
 
 ALPHAS = (0.3, 0.6, 0.9)
@@ -65,7 +65,7 @@ def _chat(text: str, tokens: int, mode: str):
 
 def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict, log: Optional[str] = None):
     from worker.engine import Engine, EngineConfig
-    from worker.spec.draft import ControlledDrafter
+    from bench.drafters import ControlledDrafter
 
     factory = None
     if sc.alpha is not None:
@@ -157,8 +157,8 @@ def _per_position(engine) -> list[float]:
 
 def _build(args) -> list[Scenario]:
     from worker.loader import load_model
-    from worker.spec.state import install_recording
-    from worker.tiny_models import build_tiny_model
+    from worker.state.checkpoint import install_recording
+    from bench.tiny_models import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="verity-bench-sched-"))
     scenarios = []

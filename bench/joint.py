@@ -1,4 +1,4 @@
-"""`verity bench spec`: speculative decoding side by side, in one process, greedy everywhere.
+"""`verity bench joint`: speculative decoding side by side, in one process, greedy everywhere.
 
 Groups of rows, each with its own target and reference output:
 
@@ -27,7 +27,7 @@ speculative_generate_step the tokens after its first cycle (which holds the pref
 time since that cycle ended.
 
 This module holds the command, its settings and the report; what measures (models, runners,
-rounds, exactness checks) lives in worker/spec_bench.py and the duels in worker/spec_bench_runs.py,
+rounds, exactness checks) lives in bench/joint_rows.py and the duels in bench/joint_duels.py,
 since only worker/ imports MLX.
 """
 
@@ -42,11 +42,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from cli.bench import DEFAULT_PROMPT, median, print_report, progress
+from bench.common import DEFAULT_PROMPT, median, print_report, progress
 from cli.blas import reexec_with_blas
 
 if TYPE_CHECKING:  # annotations only: worker modules are imported inside functions
-    from worker.spec_bench import Group, Row
+    from bench.joint_rows import Group, Row
 
 KS = (1, 2, 4, 8)
 ALPHAS = (0.5, 0.8, 0.95)
@@ -66,8 +66,8 @@ def run_spec(args: argparse.Namespace) -> int:
     if s.tokens < 2 or s.tiny_tokens < 2 or s.repeats < 1:
         progress("--tokens and --tiny-tokens must be ≥ 2, --repeats ≥ 1")
         return 2
-    from worker import spec_bench as sb
-    from worker.spec_bench_runs import run_duels
+    from bench import joint_rows as sb
+    from bench.joint_duels import run_duels
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="verity-bench-spec-") as tmp:
@@ -80,7 +80,7 @@ def run_spec(args: argparse.Namespace) -> int:
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "160")  # rich's default of 80 would wrap the table
     n_runs = s.repeats
-    print_report(f"bench spec: greedy, decode tokens/s (prefill excluded), median of {n_runs} alternated "
+    print_report(f"bench joint: greedy, decode tokens/s (prefill excluded), median of {n_runs} alternated "
                  f"round{'s' if n_runs > 1 else ''}; MLX on {sb.device()}",
                  rows, ("row", "draft", "tok/s", "× base", "accept", "draft", "verify", "recov", "exact"), figures,
                  args.json, footer)
@@ -134,7 +134,7 @@ def _per_position(runs: list) -> list[float]:
 
 
 def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[dict, list, str]:
-    from worker.spec_bench import RECOVERIES
+    from bench.joint_rows import RECOVERIES
 
     rows, all_figs, notes = [], [], []
     for g in groups:
@@ -243,7 +243,7 @@ def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[d
                  + (f"; duels: {duel_checked} generations checked, {duel_mism} duels with mismatches" if duels else ""))
     lines.append(f"wall time {wall_s:.0f}s")
     figures = {
-        "bench": "spec", "ks": list(s.ks), "alphas": list(s.alphas), "tokens": s.tokens, "tiny_tokens": s.tiny_tokens,
+        "bench": "joint", "ks": list(s.ks), "alphas": list(s.alphas), "tokens": s.tokens, "tiny_tokens": s.tiny_tokens,
         "repeats": s.repeats, "groups": [{"name": g.name, "title": g.title, "prompt_tokens": len(g.prompt),
                                           "tokens": g.tokens} for g in groups],
         "rows": all_figs,
@@ -274,7 +274,7 @@ def _find_row(groups: list[Group], group, method, draft, k, recovery) -> Optiona
 
 
 def add_command(benches) -> None:
-    p = benches.add_parser("spec", help="speculative decoding: verity's joint cycle vs plain decoding and mlx-lm's")
+    p = benches.add_parser("joint", help="joint decoding (speculative) vs plain decoding and mlx-lm's speculative")
     p.add_argument("--tokens", type=int, default=None, help="tokens per run for the embedded rows (default 128)")
     p.add_argument("--tiny-tokens", type=int, default=None, help="tokens per run for the tiny pairs (default 128)")
     p.add_argument("--repeats", type=int, default=None, help="alternated timed rounds after a warm-up (default 3)")

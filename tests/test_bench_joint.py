@@ -1,4 +1,4 @@
-"""`verity bench spec --quick --json`: every group of rows runs, every row is exact, the ratio is there."""
+"""`verity bench joint --quick --json`: every group of rows runs, every row is exact, the ratio is there."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from cli.blas import blas_env
 QUICK_TIMEOUT_S = 300  # about 30 s on 2 shared CPU cores; generous for a loaded machine
 
 
-def test_bench_spec_quick_json():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "spec", "--quick", "--json"],
+def test_bench_joint_quick_json():
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "joint", "--quick", "--json"],
                        capture_output=True, text=True, timeout=QUICK_TIMEOUT_S, env=blas_env(os.environ),
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     figures = json.loads(r.stdout.strip().splitlines()[-1])
-    assert figures["bench"] == "spec"
+    assert figures["bench"] == "joint"
     ks, alphas = figures["ks"], figures["alphas"]
     assert 4 in ks and figures["ratio_k"] == 4
     rows = figures["rows"]

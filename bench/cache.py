@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from cli.bench import add_stack_args, median, print_report, progress, start_stack
+from bench.common import add_stack_args, median, print_report, progress, start_stack
 from cli.client import ServerError, stream_chat
 from cli.stack_process import StackError
 
@@ -108,7 +108,7 @@ def run_cache(args: argparse.Namespace) -> int:
                 for k, default in (("prefix_tokens", 1000), ("turns", 5), ("repeats", 3), ("max_tokens", 48))}
     hybrid = args.hybrid
     if hybrid is None:
-        from worker.tiny_models import build_tiny_model  # only to write the model's files
+        from bench.tiny_models import build_tiny_model  # only to write the model's files
 
         hybrid = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="verity-bench-")) / "qwen3_5", "qwen3_5", seed=0))
     results, exit_codes = {}, {}

@@ -26,7 +26,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from worker.spec import draft_kernels as dk
+from worker.kernels import draft as dk
 
 BLOCKS = 128  # at most the SMs of an H100 / H200 (132): every block resident, as the barrier needs
 WARPS = {1: 16}  # warps a block by T (16 at T = 2 asks for more registers than an SM has)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from worker.spec.state import RecordingArraysCache
+from worker.state.checkpoint import RecordingArraysCache
 
 CAPACITY_STEP = 1024  # KV capacity grows in these steps: each new capacity is one more trace
 MAX_STATIC_TOKENS = 16  # wider inputs (prompt chunks) run eagerly

@@ -23,7 +23,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
 
-from worker.spec import gdn_kernel
+from worker.kernels import gdn as gdn_kernel
 
 
 class RecordingArraysCache(ArraysCache):

@@ -20,9 +20,9 @@ from typing import Optional
 import mlx.core as mx
 
 from worker.scheduler import PIPELINE_WARM_ROUNDS
-from worker.spec import state as st
-from worker.spec.draft import Drafter, pow2_pieces
-from worker.spec.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
+from worker.state import checkpoint as st
+from worker.joint.draft import Drafter, pow2_pieces
+from worker.joint.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 
 RECOVERY_PATHS = ("fast", "replay")
 CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
@@ -141,7 +141,7 @@ class JointDecoder:
 
         The caller must then `commit(m)` with how many of them it kept (fewer after a stop).
         `last`: no token can follow this cycle's (the request's last), so a plain cycle computes
-        nothing ahead. worker/spec/batch.py drives the same phases for several requests at once."""
+        nothing ahead. worker/joint/batch.py drives the same phases for several requests at once."""
         if k == 0:
             return self._plain(last)
         taken = self.take_ahead()

@@ -168,7 +168,7 @@ UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SH
 PROBE_SHARE = 0.02  # probes come as often as keeps their expected loss under this share of plain time
 MAX_FOLLOW_HIT = 0.9  # the chance of a probe's hit that prices its follow-ups at most (9 rounds)
 FREE_SIT_OUT = 2  # plain rounds a draft can sit out and draft without a catch-up round
-                  # (worker/spec/joint.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
+                  # (worker/joint/decoder.py: CATCH_UP_LAG less the 2 tokens a drafting cycle leaves)
 SWITCH_HORIZON = 16  # rounds a draft's catch-up is spread over when deciding to start drafting
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least: a plain
                 # figure from one early round kept one request drafting at α = 0.3 where it lost 8%. (On
@@ -546,7 +546,7 @@ def fit_feed(rows: Sequence[tuple[float, int, int]]) -> tuple[float, float]:
 
 def feed_pieces(tokens: int, most: int = 512) -> int:
     """Pieces a catch-up of `tokens` is fed in (powers of two, at most `most` each:
-    worker/spec/draft.py's pow2_pieces)."""
+    worker/joint/draft.py's pow2_pieces)."""
     return tokens // most + bin(tokens % most).count("1")
 
 

@@ -1,5 +1,5 @@
 """A simulator of the adaptive draft budget, for trying a scheduler change in seconds before a
-57-minute `verity bench sched` run:  python -m worker.scheduler_sim [--seeds N]
+57-minute `verity bench sched` run:  python -m bench.simulator [--seeds N]
 
 It drives worker.scheduler.Scheduler as the engine does (plan, one cycle a request, the round's
 time) with synthetic rounds. A round costs the median that a table measured on this project's

@@ -25,8 +25,8 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from worker.spec import draft_kernels as dk
-from worker.spec import persistent_draft
+from worker.kernels import draft as dk
+from worker.kernels import persistent_draft
 
 
 @dataclass

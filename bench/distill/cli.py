@@ -1,4 +1,4 @@
-"""`verity distill`: builds the embedded model's draft here (worker/draft/distill.py has the recipe).
+"""`verity distill`: builds the embedded model's draft here (bench/distill/train.py has the recipe).
 
     verity distill            generate, train, evaluate, export (resumes from --work)
     verity distill measure    what a draft can pay on this machine: forward costs, needed acceptance
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cli.bench import print_report, progress_console
+from bench.common import print_report, progress_console
 from cli.blas import reexec_with_blas
 
 DEFAULT_WORK = Path.home() / ".cache" / "verity" / "distill"
@@ -27,7 +27,7 @@ def _bars():
 
 def run_distill(args: argparse.Namespace) -> int:
     reexec_with_blas()
-    from worker.draft import distill as d
+    from bench.distill import train as d
     from worker.draft.model import ASSET_DIR
     from worker.loader import load_model
 
@@ -52,7 +52,7 @@ def run_distill(args: argparse.Namespace) -> int:
 
 def run_measure(args: argparse.Namespace) -> int:
     reexec_with_blas()
-    from worker.draft.costs import forward_cost, needed_acceptance, speedup
+    from bench.distill.costs import forward_cost, needed_acceptance, speedup
     from worker.draft.model import init_from_target
     from worker.loader import load_model
 

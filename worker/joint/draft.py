@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from worker.spec import state as st
-from worker.spec.sampling import SamplingParams, token_probs
+from worker.state import checkpoint as st
+from worker.joint.sampling import SamplingParams, token_probs
 
 # choose(logits [V], output position of the proposal) -> (token [1], q probabilities [V] or None)
 Chooser = Callable[[mx.array, int], tuple[mx.array, Optional[mx.array]]]
@@ -148,25 +147,3 @@ def _common_prefix(a: list[int], b: list[int], start: int = 0, b_len: Optional[i
         if a[i] != b[i]:
             return i
     return n
-
-
-class ControlledDrafter(Drafter):
-    """Benchmark only, never served: runs the real draft forward (so drafting and draft recovery
-    cost what they cost) but proposes the target's known greedy continuation with probability
-    alpha(position) and a wrong token otherwise. Whether a position is proposed right depends
-    only on (seed, position): runs with one seed meet the same hard tokens whatever their budget
-    (common random numbers), so comparisons between budgets are not blurred by the draws."""
-
-    def __init__(self, model, reference: list[int], alpha: Callable[[int], float], vocab_size: int,
-                 seed: int = 0, **kw):
-        super().__init__(model, **kw)
-        self.reference, self.alpha, self.vocab_size, self.seed = reference, alpha, vocab_size, seed
-
-    def choose(self, logits, position, params, key_fn):
-        # the token depends on the logits, so the forward really runs, lazily, as a real draft's would
-        return mx.depends(mx.array([self.pick(position)]), logits), None
-
-    def pick(self, position: int) -> int:
-        ref = self.reference[position] if position < len(self.reference) else 0
-        hit = random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
-        return ref if hit else (ref + 1) % self.vocab_size

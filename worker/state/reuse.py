@@ -24,8 +24,8 @@ from mlx_lm.models.cache import KVCache
 
 from protocol import messages as m
 from worker.cache_client import CacheClient
-from worker.snapshots import Snapshot, SnapshotStore, capture, restore, trimmable
-from worker.spec import state as st
+from worker.state.snapshots import Snapshot, SnapshotStore, capture, restore, trimmable
+from worker.state import checkpoint as st
 from worker.text import message_boundaries
 
 log = logging.getLogger("verity.worker")

@@ -21,7 +21,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from worker.spec.state import RecordingArraysCache, step_states
+from worker.state.checkpoint import RecordingArraysCache, step_states
 
 MAX_FUSED_TOKENS = 16  # longer inputs (prompt chunks) run eagerly: a compiled graph unrolls the loop
 

@@ -1,7 +1,7 @@
-"""The measuring side of `verity bench spec` (cli/bench_spec.py holds the command, its settings
+"""The measuring side of `verity bench joint` (bench/joint.py holds the command, its settings
 and the report): the groups of rows with their models, the runners that time greedy decoding,
 the ABBA-alternated rounds and the token-for-token checks against each group's baseline. The
-cycle-interleaved duels against mlx-lm live in worker/spec_bench_runs.py.
+cycle-interleaved duels against mlx-lm live in bench/joint_duels.py.
 
 Progress goes through the `progress` callable the caller passes in; nothing here prints.
 """
@@ -126,8 +126,8 @@ def mlx_speculative(model, draft, prompt: list[int], k: int) -> Callable[[int], 
 
 def verity_joint(model, make_drafter: Callable[[str], object], prompt: list[int], k: int,
                  recovery: str) -> Callable[[int], Run]:
-    from worker.spec.joint import JointDecoder
-    from worker.spec.sampling import SamplingParams
+    from worker.joint.decoder import JointDecoder
+    from worker.joint.sampling import SamplingParams
 
     def run(n: int) -> Run:
         jd = JointDecoder(model, make_drafter(recovery), prompt, SamplingParams(), recovery=recovery)
@@ -155,7 +155,7 @@ def _rate(n: int, seconds: float) -> float:
 
 def small_draft(src: Path, dst: Path, layers: int, noise: float, seed: int = 1) -> Path:
     """A smaller llama of the same tokenizer: src's embeddings, first `layers` layers, final norm
-    and head, each tensor plus relative Gaussian noise (as worker.tiny_models perturbs)."""
+    and head, each tensor plus relative Gaussian noise (as bench.tiny_models perturbs)."""
     import mlx.core as mx
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -176,7 +176,7 @@ def small_draft(src: Path, dst: Path, layers: int, noise: float, seed: int = 1) 
 
 def _load(folder: Path):
     from worker.loader import load_model
-    from worker.spec.state import install_recording
+    from worker.state.checkpoint import install_recording
 
     lm = load_model(str(folder))
     install_recording(lm.model)
@@ -199,9 +199,10 @@ def _params_m(lm, own: bool = False) -> float:
 
 def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], None]) -> list[Group]:
     from worker.loader import check_tokenizers_agree, load_model
-    from worker.spec.draft import ControlledDrafter, Drafter
-    from worker.spec.state import install_recording
-    from worker.tiny_models import build_tiny_model
+    from bench.drafters import ControlledDrafter
+    from worker.joint.draft import Drafter
+    from worker.state.checkpoint import install_recording
+    from bench.tiny_models import build_tiny_model
 
     groups = []
 

@@ -1,87 +1,20 @@
-"""`verity bench ...`: benchmarks. Each is a sub-subcommand of `bench` built on the shared helpers
-below (a stack started as a subprocess, medians, a rich table on stdout, `--json` as the last
-line of stdout). Progress goes to stderr. Exit 0 when a bench ran, whatever its figures.
-
-    verity bench overhead   HTTP streaming through launch-stack vs in-process mlx-lm, same model
-"""
+"""`verity bench overhead`: HTTP streaming through launch-stack vs in-process mlx-lm, same model."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
-import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable
 
-from rich.console import Console
-from rich.table import Table
-
+from bench.common import DEFAULT_PROMPT, add_stack_args, decode_tps, median, print_report, progress, start_stack
 from cli.blas import reexec_with_blas
 from cli.client import ServerError, stream_chat
-from cli.stack_process import StackError, StackProcess
+from cli.stack_process import StackError
 
-progress_console = Console(stderr=True, highlight=False)
-DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 OVERHEAD_GOAL = 0.95
 
 
-# ---- shared helpers ----
-
-
-def progress(msg: str) -> None:
-    progress_console.print(msg, style="dim", markup=False)
-
-
-def median(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return statistics.median(xs) if xs else float("nan")
-
-
-def print_report(title: str, rows: list[tuple[str, ...]], headers: tuple[str, ...],
-                 figures: dict[str, Any], as_json: bool, footer: Optional[str] = None) -> None:
-    """The human table on stdout; with as_json, one JSON object as the last line of stdout."""
-    table = Table()
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    out = Console(highlight=False)
-    out.print(title, style="bold", markup=False)
-    out.print(table)
-    if footer:
-        out.print(footer)
-    sys.stdout.flush()
-    if as_json:
-        print(json.dumps(figures), flush=True)
-
-
-def add_stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded", help="'embedded', an MLX folder or a Hugging Face id")
-    p.add_argument("--port", type=int, default=0, help="port of the stack the bench starts (0: any free one)")
-    p.add_argument("--stack-output", action="store_true", help="echo launch-stack's output to stderr")
-
-
-def start_stack(args: argparse.Namespace, extra_args: tuple[str, ...] = ()) -> StackProcess:
-    """Starts launch-stack for a bench (use as a context manager); check .exit_code after it."""
-    progress(f"starting launch-stack --model {args.model} …")
-    t0 = time.perf_counter()
-    stack = StackProcess(model=args.model, port=args.port, extra_args=extra_args, echo=args.stack_output).start()
-    progress(f"stack ready on {stack.url} in {time.perf_counter() - t0:.1f}s")
-    return stack
-
-
-def decode_tps(n_tokens: int, t_first: float, t_last: float) -> float:
-    """Decode tokens/s: (N-1) tokens after the first, over the time from the first to the last."""
-    span = t_last - t_first
-    return (n_tokens - 1) / span if n_tokens > 1 and span > 0 else 0.0
-
-
-# ---- bench overhead ----
-
-
 def _inprocess_runner(lm, prompt_ids: list[int]) -> Callable[[int], dict]:
-    from worker.inprocess import stream_greedy
+    from bench.inprocess import stream_greedy
 
     def run(n: int) -> dict:
         ids, times, t0 = stream_greedy(lm, prompt_ids, n)
@@ -173,9 +106,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     return 0 if clean_stop else 1
 
 
-def add_commands(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (each starts what it measures)")
-    benches = p.add_subparsers(dest="bench", required=True)
+def add_command(benches) -> None:
     o = benches.add_parser("overhead", help="HTTP streaming through launch-stack vs in-process mlx-lm")
     add_stack_args(o)
     o.add_argument("--tokens", type=int, default=128, help="tokens generated per run (EOS ignored)")
@@ -183,7 +114,3 @@ def add_commands(sub) -> None:
     o.add_argument("--prompt", default=DEFAULT_PROMPT)
     o.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     o.set_defaults(run=run_overhead)
-    __import__("cli.bench_spec").bench_spec.add_command(benches)  # verity bench spec (cli/bench_spec.py)
-    __import__("cli.bench_sched").bench_sched.add_command(benches)  # verity bench sched (cli/bench_sched.py)
-    __import__("cli.bench_gpu").bench_gpu.add_command(benches)  # verity bench gpu (cli/bench_gpu.py)
-    __import__("cli.bench_cache").bench_cache.add_command(benches)  # verity bench cache (cli/bench_cache.py)

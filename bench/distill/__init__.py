@@ -1,0 +1,1 @@
+"""Distillation of the embedded draft: its training code, prompt lists and cost measurements."""

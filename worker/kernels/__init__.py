@@ -1,0 +1,1 @@
+"""Hand-written kernels (Metal/CUDA) and the draft forwards built on them."""

@@ -1,0 +1,1 @@
+"""Model state: checkpoints for exact recovery, snapshots for prefix reuse, and their spill store."""
