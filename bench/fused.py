@@ -1,7 +1,7 @@
 """Compiled decoder layers for the Gated-DeltaNet layers of Qwen3.5 models, where launches cost.
 
 On a GPU, a decode step of a small hybrid model is bound by kernel launches and Python graph
-building, not by bytes read (FINDINGS.md: 0.8 B draft step 9-12 ms against a 0.5 ms weight read).
+building, not by bytes read (docs/design.md, "Draft kernels": 0.8 B draft step 9-12 ms against a 0.5 ms weight read).
 Three of every four layers are Gated-DeltaNet layers whose state has a fixed shape, so the whole
 layer (norms, projections, conv window, recurrence, MLP) compiles with mx.compile into one
 graph per input shape, its elementwise chains fused. Attention layers stay as they are: their KV
@@ -21,7 +21,8 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from worker.state.checkpoint import RecordingArraysCache, step_states
+from worker.kernels.gdn import every_state
+from worker.state.checkpoint import RecordingArraysCache
 
 MAX_FUSED_TOKENS = 16  # longer inputs (prompt chunks) run eagerly: a compiled graph unrolls the loop
 
@@ -41,7 +42,7 @@ def _gdn_forward(attn: qwen3_5.GatedDeltaNet, x: mx.array, conv_state: mx.array,
                            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim])
     ]
     q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
-    y, states = step_states(q, k, v, mx.sigmoid(b), compute_g(attn.A_log, a, attn.dt_bias), state)
+    y, states = every_state(q, k, v, mx.sigmoid(b), compute_g(attn.A_log, a, attn.dt_bias), state)
     out = attn.out_proj(attn.norm(y, z).reshape(B, S, -1))
     return out, conv_input, states
 

@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +86,7 @@ def run_gpu(args: argparse.Namespace) -> int:
                                                            for _ in range(args.probe_repeats))
         progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f}), "
                  f"plain {fig['plain_tps_by_mode'][mode]:.1f} tok/s")
-    if args.bits is None:  # the draft's few-kernel path (spec/fast_draft.py): unquantized layers only
+    if args.bits is None:  # the draft's few-kernel path (worker/kernels/fast_draft.py): unquantized layers only
         fig["fast_check"] = gb.fast_check(draft)
         progress(f"draft kernels' path against its ops and mlx-lm's forward: {fig['fast_check']}")
         drafts = ("kernels", "persistent") if fig["fast_check"]["persistent_ran"] else ("kernels",)
@@ -157,7 +156,7 @@ def run_gpu(args: argparse.Namespace) -> int:
 
 
 def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
-    """The Gated-DeltaNet recurrence as one kernel (spec/gdn_kernel.py) against mlx-lm's
+    """The Gated-DeltaNet recurrence as one kernel (worker/kernels/gdn.py) against mlx-lm's
     per-token ops, eager forwards, alternated over the repeats: its agreement with the ops, plain
     decoding, the target's forward for 1 and 4 tokens, the draft's step. The rest of the run uses
     the kernel unless --gdn ops."""
@@ -320,7 +319,7 @@ def _fast_line(fig: dict) -> str:
             f"{c['logits_2_kernel_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_kernel_agrees']} / {c['argmax_2_kernel_agrees']}; "
             f"states kernels − ops {c['state_kernel_vs_ops']:.2g} (of {c['state_max_abs']:.2g})"
             + ("" if not c.get("persistent_ran") else
-               f"; one launch (spec/persistent_draft.py) − mlx-lm: logits {c['logits_1_persistent_vs_mlx_lm']:.2g} / "
+               f"; one launch (worker/kernels/persistent_draft.py) − mlx-lm: logits {c['logits_1_persistent_vs_mlx_lm']:.2g} / "
                f"{c['logits_2_persistent_vs_mlx_lm']:.2g}, argmax agrees {c['argmax_1_persistent_agrees']} / "
                f"{c['argmax_2_persistent_agrees']}, states {c['state_persistent_vs_mlx_lm']:.2g} (kernels − mlx-lm "
                f"{c['state_kernel_vs_mlx_lm']:.2g}), barrier failed {c['persistent_barrier_failed']}"))
@@ -393,8 +392,3 @@ def add_command(benches) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu)
 
-
-if __name__ == "__main__":
-    from bench.cli import main
-
-    sys.exit(main(["bench", "gpu", *sys.argv[1:]]))

@@ -24,7 +24,8 @@ from worker.state import checkpoint as st
 from bench.drafters import ControlledDrafter, ForcedDecoder, ForcedDrafter
 from worker.kernels.fast_draft import set_fast
 from bench.fused import set_fused
-from worker.joint.decoder import JointDecoder, switching_cost
+from worker.joint.decoder import JointDecoder
+from worker.round import Row, plan_round, run_round
 from worker.joint.sampling import SamplingParams
 from bench.static import set_static
 
@@ -77,9 +78,9 @@ DRAFT_MODES = MODES + ("kernels", "persistent")
 
 
 def set_mode(model, mode: str) -> None:
-    """eager: mlx-lm's layers; fused: Gated-DeltaNet layers compiled one by one (spec/fused.py);
-    static: the whole forward compiled on fixed-shape state (spec/static.py); kernels (a draft's):
-    narrow forwards in a few large kernels a layer (spec/fast_draft.py), the rest eager."""
+    """eager: mlx-lm's layers; fused: Gated-DeltaNet layers compiled one by one (bench/fused.py);
+    static: the whole forward compiled on fixed-shape state (bench/static.py); kernels (a draft's):
+    narrow forwards in a few large kernels a layer (worker/kernels/fast_draft.py), the rest eager."""
     set_fast(model, False)
     set_static(model, mode == "static")
     set_fused(model, mode == "fused")
@@ -167,7 +168,7 @@ def warm_joint_shapes(target, draft, longest: int) -> float:
 
 
 def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
-    """The Gated-DeltaNet kernel (spec/gdn_kernel.py) against mlx-lm's per-token ops on the
+    """The Gated-DeltaNet kernel (worker/kernels/gdn.py) against mlx-lm's per-token ops on the
     model's first linear layer's shapes, random inputs: largest differences of the outputs and of
     every recorded state, and their scale."""
     from mlx_lm.models.gated_delta import gated_delta_ops
@@ -199,7 +200,7 @@ def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
 
 
 def fast_check(model, context: int = 64) -> dict:
-    """The draft's kernels' path (spec/fast_draft.py) against its ops and against mlx-lm's forward,
+    """The draft's kernels' path (worker/kernels/fast_draft.py) against its ops and against mlx-lm's forward,
     one forward of 1 and of 2 tokens after `context`: the largest logit differences, their scale,
     whether the argmax agrees, and the largest difference of the recurrent states after them."""
     from worker.kernels import draft as dk
@@ -251,7 +252,7 @@ def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10) -> float
             x = mx.argmax(model(x, cache=cache)[:, -1:], axis=-1)
             out.append(x)
         mx.eval(out)
-        st.restore(cache, ck)
+        st.rollback(cache, ck)
         return out
 
     return median_time(chain, reps) / k
@@ -317,21 +318,18 @@ def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha:
     sched = scheduler or Scheduler(fixed=k)
     rid = f"r{next(_RUNS)}"  # each run a new request, as the engine's: the last run's held plan ends with it
     t0 = time.perf_counter()
-    while len(out) < n:
-        # as the engine's rounds (worker/engine.py): switching costs paid on their own are timed apart
-        budget = sched.plan([rid], 1, [jd.draft_behind], [max(0, n - len(out) - 1 - jd.looking_ahead)], [jd.looking_ahead],
-                            pipelined=True, feeds=[jd.draft_feed])[0]
-        untimed = switching_cost([jd], [budget], timed_apart=True)  # not a cost sample
-        jd.take_apart()
-        t = time.perf_counter()
-        emitted = jd.cycle(budget, n - len(out) <= 1)
-        keep = min(len(emitted), n - len(out))
-        jd.commit(keep)
-        sched.observe_cycle(rid, *jd.last_cycle)
-        apart = jd.take_apart()
-        sched.observe_round(time.perf_counter() - t - sum(s for s, *_ in apart.values()), complete=not untimed, reason=untimed, apart=apart,
-                            draft_s=jd.last_draft_s if budget else 0.0)
-        out += emitted[:keep]
+
+    def emit(row: Row, tokens: list[int]) -> int:
+        keep = min(len(tokens), n - len(out))
+        out.extend(tokens[:keep])
+        return keep
+
+    def fail(row: Row, e: Exception) -> None:
+        raise e
+
+    while len(out) < n:  # the engine's round (worker/round.py), one request
+        sr = plan_round([Row(rid, jd, n - len(out))], sched)
+        sched.observe(run_round(sr, emit, fail))
     wall = time.perf_counter() - t0
     s = jd.stats
     sched.forget(rid)

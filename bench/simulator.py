@@ -1,8 +1,8 @@
 """A simulator of the adaptive draft budget, for trying a scheduler change in seconds before a
 57-minute `verity bench sched` run:  python -m bench.simulator [--seeds N]
 
-It drives worker.scheduler.Scheduler as the engine does (plan, one cycle a request, the round's
-time) with synthetic rounds. A round costs the median that a table measured on this project's
+It runs the engine's round (worker/round.py: plan_round, run_round) with stand-in decoders and a
+simulated clock. A round costs the median that a table measured on this project's
 CPU gives for its requests and deepest draft (from `verity bench sched --decision-log`), times
 per-round noise and the machine's slow spells; the controlled draft's rule decides acceptance
 (a position's draft is right with probability α, seeded by position, so every configuration meets
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from worker import scheduler as S
+from worker.round import CATCH_UP_LAG, Paid, Row, RowState, SetApart, joint_group, plan_round, run_round
 
 # medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
 EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
@@ -95,57 +96,103 @@ def _hits(seed: int, position: int, k: int, alpha: float) -> int:
     return n
 
 
-def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells, clock: list) -> tuple[int, float]:
-    """`runs` runs of sc.requests requests through the scheduler: (tokens, seconds)."""
-    tokens, seconds, m = 0, 0.0, sc.machine
+class SimClock:
+    """Simulated seconds: the round's decoders advance it by what their work would cost."""
+
+    def __init__(self):
+        self.now, self.pace = 0.0, 1.0  # pace: this round's factor (the spell's, with noise)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimDecoder:
+    """A request of the controlled draft as a round's Decoder (worker/round.py): its draft is right
+    by the controlled rule, and what its cycles would cost advances the clock."""
+
+    def __init__(self, sc: Scenario, seed: int, clock: SimClock):
+        self.sc, self.m, self.seed, self.clock = sc, sc.machine, seed, clock
+        self.started, self.stats = True, None
+        self.pos, self.lag, self.ahead, self.plain_run, self.drafted = 0, PROMPT, False, 0, False
+        self.last_cycle, self.draft_s, self._apart, self._got = (0, 0), 0.0, {}, 0
+
+    def state(self, request_id: str, tokens_left: int) -> RowState:
+        return RowState(request_id, room=max(0, tokens_left - 1 - self.ahead), lag=self.lag,
+                        lacks_prompt=not self.drafted, ahead=self.ahead, plain_run=self.plain_run,
+                        has_drafted=self.drafted, last=tokens_left <= 1)
+
+    def advance(self, k: int, last: bool) -> list[int]:
+        """Unbatched (one request, pipelined): the round's cost, and a pipeline's restart."""
+        self.clock.now += _round_ms(self.sc, 1, k) / 1000 * self.clock.pace
+        if not k:
+            if not self.ahead:
+                self.clock.now += _round_ms(self.sc, 1, 0) / 1000 * self.clock.pace  # a second forward, for the next
+            elif self.plain_run < S.PIPELINE_WARM_ROUNDS:
+                self.clock.now += (self.m.warm_up_s if self.drafted else self.m.first_warm_up_s) * self.clock.pace
+            self.ahead, self.plain_run = not last, self.plain_run + 1
+        return self.cycle(k)
+
+    def cycle(self, k: int) -> list[int]:
+        if not k:
+            self.lag += 1
+            self.last_cycle, self._got = (0, 0), 1
+            return [0]
+        got = int(self.ahead)  # a look-ahead's token is taken as the cycle's first
+        if self.lag > CATCH_UP_LAG:
+            fed, why = self.lag - 1, SetApart.DRAFT_CATCH_UP if self.drafted else SetApart.DRAFT_PREFILL
+            pieces = S.feed_pieces(fed)
+            self._pay(why, Paid((self.m.catch_up_s + self.m.piece_s * pieces) * self.clock.pace, fed, pieces))
+        if self.ahead:
+            self._pay(SetApart.LOOK_AHEAD_TAKEN, Paid(self.m.taken_s * self.clock.pace))
+        n = _hits(self.seed, self.pos + got, k, self.sc.alpha(self.pos + got, self.sc.tokens))
+        self.ahead, self.plain_run, self.lag, self.drafted = False, 0, 1 if n == k else 2, True
+        self.draft_s = k * self.m.draft_step_s * self.clock.pace
+        self.last_cycle, self._got = (k, n), got + n + 1
+        return [0] * self._got
+
+    def _pay(self, why: SetApart, paid: Paid) -> None:
+        self.clock.now += paid.seconds
+        self._apart[why] = self._apart.get(why, Paid()).add(paid)
+
+    def commit(self, kept: int) -> None:
+        self.pos += kept
+
+    def take_apart(self) -> dict[SetApart, Paid]:
+        out, self._apart = self._apart, {}
+        return out
+
+
+def _sim_batch(sc: Scenario, clock: SimClock):
+    """The batched joint round: one cost for every row, by its deepest draft."""
+    def batch(decoders: list[SimDecoder], budgets: list[int]) -> list[list[int]]:
+        clock.now += _round_ms(sc, len(decoders), max(budgets)) / 1000 * clock.pace
+        return [d.cycle(k) for d, k in zip(decoders, budgets)]
+    return batch
+
+
+def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells,
+             clock: SimClock) -> tuple[int, float]:
+    """`runs` runs of sc.requests requests through the engine's round (worker/round.py): (tokens, seconds)."""
+    tokens, start = 0, clock.now
+    batch = _sim_batch(sc, clock)
     for run in range(runs):
-        reqs = [dict(id=f"{run}-{i}", pos=0, seed=i, lag=PROMPT, ahead=False, plain_run=0, drafted=False)
-                for i in range(sc.requests)]
-        while reqs:
-            pipelined = len(reqs) == 1  # as the engine's: a batch's last request runs alone, unbatched
-            room = [max(0, sc.tokens - r["pos"] - 1 - r["ahead"]) for r in reqs]
-            feeds = [r["lag"] - 1 if r["lag"] > 4 else 0 for r in reqs]
-            plan = sched.plan([r["id"] for r in reqs], len(reqs), [r["lag"] > 4 for r in reqs], room,
-                              [r["ahead"] for r in reqs], pipelined=pipelined, feeds=feeds)
-            pace = spells.at(clock[0]) * math.exp(rng.gauss(0, 0.05))
-            base = _round_ms(sc, len(reqs), max(plan)) / 1000 * pace
-            secs, apart, reason, draft_s = base, {}, "", 0.0
-            for r, k, fed in zip(reqs, plan, feeds):
-                if k:
-                    got = int(r["ahead"])  # a look-ahead's token is taken as the cycle's first
-                    if fed:
-                        pieces = S.feed_pieces(fed)
-                        s, t, p = apart.get("draft catch-up", (0.0, 0, 0))
-                        apart["draft catch-up"] = (s + (m.catch_up_s + m.piece_s * pieces) * pace, t + fed, p + pieces)
-                    if r["ahead"]:
-                        apart["look-ahead taken"] = m.taken_s * pace
-                    n = _hits(r["seed"], r["pos"] + got, k, sc.alpha(r["pos"] + got, sc.tokens))
-                    got += n + 1
-                    r.update(ahead=False, plain_run=0, lag=1 if n == k else 2, drafted=True)
-                    draft_s += k * m.draft_step_s * pace
-                    sched.observe_cycle(r["id"], k, n)
-                else:
-                    got, r["lag"] = 1, r["lag"] + 1
-                    if pipelined:
-                        if not r["ahead"]:
-                            reason, secs = "plain pipeline start" if r["drafted"] else "first plain rounds", secs + base
-                        elif r["plain_run"] < S.PIPELINE_WARM_ROUNDS:
-                            warm = m.warm_up_s if r["drafted"] else m.first_warm_up_s
-                            reason, secs = "plain pipeline warm-up" if r["drafted"] else "first plain rounds", secs + warm * pace
-                        r["ahead"], r["plain_run"] = room[0] > 0, r["plain_run"] + 1
-                got = min(got, sc.tokens - r["pos"])
-                r["pos"] += got
-                tokens += got
-            secs_all = secs + sum(v[0] if isinstance(v, tuple) else v for v in apart.values())
-            seconds += secs_all
-            clock[0] += secs_all
-            sched.observe_round(secs, not reason, reason, apart, draft_s)
-            for r in [r for r in reqs if r["pos"] >= sc.tokens]:
-                sched.forget(r["id"])
-            reqs = [r for r in reqs if r["pos"] < sc.tokens]
-        seconds += m.prefill_s
-        clock[0] += m.prefill_s
-    return tokens, seconds
+        rows = [Row(f"{run}-{i}", SimDecoder(sc, i, clock), sc.tokens) for i in range(sc.requests)]
+        while rows:
+            clock.pace = spells.at(clock.now) * math.exp(rng.gauss(0, 0.05))
+            sr = plan_round(rows, sched)
+            sched.observe(run_round(sr, lambda row, t: min(len(t), row.tokens_left), _raise, joint_group(sr, batch), clock))
+            for r in rows:
+                tokens += r.tokens_left - (left := sc.tokens - r.decoder.pos)
+                r.tokens_left = left
+                if not left:
+                    sched.forget(r.request_id)
+            rows = [r for r in rows if r.tokens_left]
+        clock.now += sc.machine.prefill_s
+    return tokens, clock.now - start
+
+
+def _raise(row: Row, e: Exception) -> None:
+    raise e
 
 
 class DecisionClock:
@@ -165,7 +212,7 @@ def compare(sc: Scenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
     out = {}
     S.time = DecisionClock(sc.machine.decide_s)
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
-        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), [0.0]
+        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), SimClock()
         sched = S.Scheduler(fixed=fixed)
         simulate(sched, sc, sc.warm_runs, rng, spells, clock)
         tokens, seconds = simulate(sched, sc, sc.runs, rng, spells, clock)

@@ -220,6 +220,21 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     base = components.pop("GenerateRequest")
     components["ChatCompletionRequest"] = _request_schema(base, True, cap, model, joint)
     components["CompletionRequest"] = _request_schema(base, False, cap, model, joint)
+    limits = _limits(context_limit, max_body_bytes, request_timeout_s)
+    security = [{"bearer": []}] if auth else []
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "verity", "version": str(m.PROTOCOL_VERSION),
+                 "description": "A local OpenAI-compatible server for one MLX model. " + limits},
+        "paths": _paths(limits, security, auth),
+        "components": {"schemas": components},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _limits(context_limit: Optional[int], max_body_bytes: int, request_timeout_s: Optional[float]) -> str:
     limits = ("Integers are written as integers (5, not 5.0). "
               f"Bodies over {max_body_bytes} bytes are refused with 413. Prompts over the model's context "
               f"limit ({context_limit if context_limit else 'per model'} tokens) are refused with 400 "
@@ -228,65 +243,60 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     if request_timeout_s:
         limits += (f" A request that has not ended {request_timeout_s:g} s after admission is cancelled "
                    "and answered with 504 `request_timeout` (in a stream: an error event).")
-    security = [{"bearer": []}] if auth else []
+    return limits
 
-    def generate(chat: bool) -> dict:
-        whole, chunk = ("ChatCompletion", "ChatCompletionChunk") if chat else ("Completion", "CompletionChunk")
-        return {"post": {
-            "operationId": "createChatCompletion" if chat else "createCompletion",
-            "summary": "Generate a chat reply" if chat else "Continue a prompt",
-            "description": limits,
-            "security": security,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "$ref": REF.format(name="ChatCompletionRequest" if chat else "CompletionRequest")}}}},
-            "responses": {
-                "200": {"description": f"The whole {whole} object, or with `stream: true` a server-sent "
-                                       f"event stream of `data: <{chunk}>` lines ended by `data: [DONE]`",
-                        "headers": {"X-Request-Id": {"schema": {"type": "string"},
-                                                     "description": "the request id, also in the logs"}},
-                        "content": {"application/json": {"schema": {"$ref": REF.format(name=whole)}},
-                                    "text/event-stream": {"itemSchema": _sse_event(chunk)}}},
-                "400": _error("the request is invalid; `error.param` names the field"),
-                "401": _error("missing or invalid API key"),
-                "403": _error("refused `Host` or `Origin` (DNS-rebinding and cross-site protection)"),
-                "404": _error("`model` names a model this server does not serve"),
-                "413": _error("the body is over the size limit"),
-                "429": {**_error("the admission queue is full; retry after `Retry-After` seconds"),
-                        "headers": {"Retry-After": {"schema": {"type": "string"}}}},
-                "503": _error("the worker is restarting or the server is shutting down"),
-                "504": _error("the request reached the server's time limit (--request-timeout-s)"),
-            },
-        }}
 
-    def get(op: str, summary: str, ref: str, errors: dict, sec: list) -> dict:
-        return {"get": {"operationId": op, "summary": summary, "security": sec,
-                        "responses": {"200": {"description": summary, "content": {
-                            "application/json": {"schema": {"$ref": REF.format(name=ref)}}}},
-                            **{code: _error(text) for code, text in errors.items()}}}}
-
+def _paths(limits: str, security: list, auth: bool) -> dict:
     model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     auth_errors = {"401": "missing or invalid API key"} if auth else {}
     paths = {
-        "/v1/chat/completions": generate(True),
-        "/v1/completions": generate(False),
-        "/v1/models": get("listModels", "The model this server serves", "ModelList",
-                          {**auth_errors, "403": "refused Host or Origin", "503": "the worker is not ready"}, security),
-        "/v1/models/{model}": get("retrieveModel", "One model", "ModelCard",
-                                  {**auth_errors, "403": "refused Host or Origin", "404": "no such model",
-                                   "503": "the worker is not ready"}, security),
-        "/health": get("health", "Liveness and load; 503 while the worker is down or the server drains",
-                       "Health", {"403": "refused Host or Origin", "503": "not ready (the body says why)"}, []),
+        "/v1/chat/completions": _generate_op(True, limits, security),
+        "/v1/completions": _generate_op(False, limits, security),
+        "/v1/models": _get_op("listModels", "The model this server serves", "ModelList",
+                              {**auth_errors, "403": "refused Host or Origin", "503": "the worker is not ready"}, security),
+        "/v1/models/{model}": _get_op("retrieveModel", "One model", "ModelCard",
+                                      {**auth_errors, "403": "refused Host or Origin", "404": "no such model",
+                                       "503": "the worker is not ready"}, security),
+        "/health": _get_op("health", "Liveness and load; 503 while the worker is down or the server drains",
+                           "Health", {"403": "refused Host or Origin", "503": "not ready (the body says why)"}, []),
     }
     paths["/v1/models/{model}"]["get"]["parameters"] = [model_param]
     paths["/health"]["get"]["responses"]["503"] = {
         "description": "not serving now", "content": {"application/json": {"schema": {"$ref": REF.format(name="Health")}}}}
-    doc = {
-        "openapi": "3.1.0",
-        "info": {"title": "verity", "version": str(m.PROTOCOL_VERSION),
-                 "description": "A local OpenAI-compatible server for one MLX model. " + limits},
-        "paths": paths,
-        "components": {"schemas": components},
-    }
-    if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    return doc
+    return paths
+
+
+def _generate_op(chat: bool, limits: str, security: list) -> dict:
+    whole, chunk = ("ChatCompletion", "ChatCompletionChunk") if chat else ("Completion", "CompletionChunk")
+    return {"post": {
+        "operationId": "createChatCompletion" if chat else "createCompletion",
+        "summary": "Generate a chat reply" if chat else "Continue a prompt",
+        "description": limits,
+        "security": security,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "$ref": REF.format(name="ChatCompletionRequest" if chat else "CompletionRequest")}}}},
+        "responses": {
+            "200": {"description": f"The whole {whole} object, or with `stream: true` a server-sent "
+                                   f"event stream of `data: <{chunk}>` lines ended by `data: [DONE]`",
+                    "headers": {"X-Request-Id": {"schema": {"type": "string"},
+                                                 "description": "the request id, also in the logs"}},
+                    "content": {"application/json": {"schema": {"$ref": REF.format(name=whole)}},
+                                "text/event-stream": {"itemSchema": _sse_event(chunk)}}},
+            "400": _error("the request is invalid; `error.param` names the field"),
+            "401": _error("missing or invalid API key"),
+            "403": _error("refused `Host` or `Origin` (DNS-rebinding and cross-site protection)"),
+            "404": _error("`model` names a model this server does not serve"),
+            "413": _error("the body is over the size limit"),
+            "429": {**_error("the admission queue is full; retry after `Retry-After` seconds"),
+                    "headers": {"Retry-After": {"schema": {"type": "string"}}}},
+            "503": _error("the worker is restarting or the server is shutting down"),
+            "504": _error("the request reached the server's time limit (--request-timeout-s)"),
+        },
+    }}
+
+
+def _get_op(op: str, summary: str, ref: str, errors: dict, sec: list) -> dict:
+    return {"get": {"operationId": op, "summary": summary, "security": sec,
+                    "responses": {"200": {"description": summary, "content": {
+                        "application/json": {"schema": {"$ref": REF.format(name=ref)}}}},
+                        **{code: _error(text) for code, text in errors.items()}}}}

@@ -70,7 +70,7 @@ def test_greedy_joint_equals_baseline(pairs, references, pair_name, kind, recove
 
 def test_cache_invariants_hold_after_every_cycle(tmp_path):
     """Runs tests/joint_invariants.py on the reference BLAS, where a batched forward and one-token
-    forwards round alike (FINDINGS.md: MKL's gemm and gemv differ by up to 2e-5 in these models)."""
+    forwards round alike (docs/design.md, "The BLAS on Linux": MKL's gemm and gemv differ by up to 2e-5 in these models)."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     script = Path(__file__).with_name("joint_invariants.py")
     r = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
@@ -93,7 +93,7 @@ def test_checkpoint_unchanged_after_restored_branch_moves_on(pairs, recovery):
     for k in (3, 2, 4):  # the branch moves on
         jd.commit(len(jd.cycle(k)))
     assert all(np.array_equal(x, np.array(a)) for x, a in zip(held, _held(ck)))
-    st.restore(jd.cache, ck)
+    st.rollback(jd.cache, ck)
     restored = st.cache_arrays(jd.cache)
     assert len(restored) == len(saved)
     assert all(np.array_equal(x, np.array(y)) for x, y in zip(saved, restored))
@@ -270,7 +270,7 @@ def test_draft_is_prefilled_only_when_it_first_drafts(pairs):
     plain.submit("a", req)
     plain.step()  # admits and prefills the target: the first token
     plain.step()
-    jd = plain._active[0].decoder.decoder
+    jd = plain._active[0].decoder
     assert jd.draft_lacks_prompt and jd.drafter.consumed == []
     while plain.has_work():
         plain.step()
@@ -413,7 +413,7 @@ def test_a_lone_request_likely_to_run_plain_starts_its_pipeline_at_once(pairs, b
             if isinstance(e, m.TextDelta):
                 out[e.request_id] += e.token_ids
         for r in eng._active:
-            seen.setdefault(r.id, r.decoder.decoder.looking_ahead)  # just after its start
+            seen.setdefault(r.id, r.decoder.looking_ahead)  # just after its start
 
     eng.submit("a", reqs["a"])
     step()  # "a" starts alone

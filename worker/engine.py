@@ -1,4 +1,5 @@
-"""The model loop: a bounded FIFO of requests, decoded interleaved, one token per request a step.
+"""The model loop: a bounded FIFO of requests; each step admits what fits and runs one round
+(worker/round.py): a cycle for every active request.
 
 No sockets here: `submit` and `cancel` are plain calls that any thread may make, `step` runs on
 the one MLX thread and returns the events it produced. worker/proc.py moves them over sockets.
@@ -15,16 +16,17 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generation_stream
 
 from protocol import messages as m
 from worker import blas_threads
-from worker.loader import LoadedModel
-from worker.sampling import make_request_sampler
-from worker.joint.draft import Drafter
+from worker.baseline import BaselineDecoder
 from worker.joint.batch import joint_round
-from worker.joint.decoder import CycleStats, JointDecoder, switching_cost
+from worker.joint.decoder import CycleStats, JointDecoder
+from worker.joint.draft import Drafter
 from worker.joint.sampling import SamplingParams
+from worker.loader import LoadedModel
+from worker.round import Row, joint_group, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
@@ -56,7 +58,7 @@ class _Request:
     req: m.GenerateRequest
     prompt: list[int]
     received: float
-    decoder: Optional["_Baseline | _Joint"] = None
+    decoder: Optional["BaselineDecoder | JointDecoder"] = None
     detok: Optional[StreamingDetokenizer] = None
     stop: Optional[StopMatcher] = None
     tokens: list[int] = field(default_factory=list)
@@ -87,49 +89,6 @@ class _Totals:
             j.accepted_at[pos][1] += t
 
 
-class _Baseline:
-    """mlx-lm's generate_step: pipelined one-token steps."""
-
-    def __init__(self, gen: Iterator, cache: Optional[list] = None):
-        self.gen, self.started = gen, False
-        self.cache = cache  # after each token, it holds the prompt and every token emitted
-
-    def advance(self) -> list[int]:
-        token = next(self.gen)[0]  # the first call prefills
-        self.started = True
-        return [token]
-
-    def commit(self, m: int) -> None:
-        pass
-
-    def close(self) -> None:
-        self.gen.close()
-
-
-class _Joint:
-    """The joint cycle: 1 + accepted tokens per advance; commit recovers both caches.
-    `pipelined_start`: plain cycles are likely first (adaptive, or a fixed k of 0)."""
-
-    def __init__(self, decoder: JointDecoder, pipelined_start: bool = False):
-        self.decoder, self.budget, self.started, self.cycled = decoder, 0, False, False
-        self.pipelined_start = pipelined_start
-        self.last = False  # the next cycle emits the request's last token
-
-    def advance(self) -> list[int]:
-        if not self.started:
-            self.started = True
-            return [self.decoder.start(self.pipelined_start)]
-        self.cycled = True
-        return self.decoder.cycle(self.budget, self.last)
-
-    def commit(self, m: int) -> None:
-        if self.cycled:
-            self.decoder.commit(m)
-
-    def close(self) -> None:
-        pass
-
-
 def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     """Identity under which cached state is valid (per-request thinking mode is mixed in later)."""
     parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
@@ -141,10 +100,11 @@ def _n_params(model) -> int:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), draft: Optional[LoadedModel] = None,
+    def __init__(self, lm: LoadedModel, config: Optional[EngineConfig] = None, draft: Optional[LoadedModel] = None,
                  drafter_factory=None, reuse: Optional[PrefixCache] = None):
         """drafter_factory(request_id, prompt) -> Drafter replaces the draft model's own drafter
         (benchmarks: the controlled-acceptance draft; never served). reuse: exact prefix reuse."""
+        config = config or EngineConfig()
         self.lm, self.config, self.draft, self.reuse = lm, config, draft, reuse
         self.drafter_factory = drafter_factory
         self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
@@ -234,73 +194,32 @@ class Engine:
         return events
 
     def _round(self, events: list) -> None:
-        """One decode round: a token for each baseline request, a cycle for each joint one, with
-        draft lengths from the scheduler; the round's time feeds its cost model."""
-        joint = [r for r in self._active if isinstance(r.decoder, _Joint) and r.decoder.started]
-        decoders = [r.decoder.decoder for r in joint]
-        behind = [d.draft_behind for d in decoders]
-        room = [max(0, self._tokens_left(r) - 1 - d.looking_ahead) for r, d in zip(joint, decoders)]  # a cycle emits its accepted drafts and one more (and a taken look-ahead)
-        batching = self.config.batch_verify and len(joint) > 1
-        plan = self.scheduler.plan([r.id for r in joint], len(self._active), behind, room,
-                                   [d.looking_ahead for d in decoders], pipelined=not batching,
-                                   feeds=[d.draft_feed for d in decoders])
-        for r, k in zip(joint, plan):
-            r.decoder.budget, r.decoder.last = k, self._tokens_left(r) <= 1
-        # a prefill is no decode round; nor is one that pays a switching cost, unless the cost
-        # is paid on its own and timed apart (a draft's catch-up, a discarded look-ahead)
-        reason = "" if all(r.decoder.started for r in self._active) else "prefill or error"
-        reason = reason or switching_cost(decoders, [r.decoder.budget for r in joint], batching, timed_apart=True)
-        if not reason and not batching and any(r.decoder.last and not r.decoder.budget for r in joint):
-            reason = "last plain round"  # it computes nothing ahead: only the wait for the token computed before
-        complete = not reason
+        """One round: a cycle for every active request, joint rows' draft lengths from the
+        scheduler, joint rows batched; the round's report feeds the scheduler."""
+        by_id = {r.id: r for r in self._active}
+        rows = [Row(r.id, r.decoder, self._tokens_left(r)) for r in self._active]
+        sr = plan_round(rows, self.scheduler, self.config.batch_verify)
+        lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
         blas_threads.use(self._params * sum(len(r.prompt) for r in self._active if not r.decoder.started)
-                         + self._draft_params * sum(d.prompt_len for d, k in zip(decoders, plan)
-                                                    if k and d.draft_lacks_prompt))  # a draft's first cycle prefills it
-        for d in decoders:
-            d.take_apart()  # what a snapshot's settle paid since is no part of this round
-        t0 = time.perf_counter()
-        batched = self._batched_cycles(joint, events) if batching else {}
-        complete = complete and (not batching or len(batched) == len(joint))
-        for r in list(self._active):
-            try:
-                tokens = batched[r.id] if r.id in batched else r.decoder.advance()
-            except Exception as e:  # a failure of one request must not take the others down
-                complete = False
-                self._fail(r, e, events)
-                continue
-            kept = 0
+                         + self._draft_params * sum(len(r.prompt) for r in lacking))  # a draft's first cycle prefills it
+
+        def emit(row: Row, tokens: list[int]) -> int:
+            r, kept = by_id[row.request_id], 0
             for token in tokens:
                 kept += 1
                 if self._on_token(r, token, events):
                     break
-            r.decoder.commit(kept)
-            if r in joint:
-                self.scheduler.observe_cycle(r.id, *r.decoder.decoder.last_cycle)
-            if r.done:
-                r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
-                self._release(r)
-        apart: dict[str, tuple] = {}
-        for d in decoders:
-            for why, paid in d.take_apart().items():
-                apart[why] = tuple(a + b for a, b in zip(apart.get(why, (0.0, 0, 0)), paid))
-        drafting = sum(d.last_draft_s for k, d in zip(plan, decoders) if k)
-        self.scheduler.observe_round(time.perf_counter() - t0 - sum(s for s, *_ in apart.values()), complete,
-                                     reason or ("" if complete else "prefill or error"), apart, drafting)
+            return kept
+
+        report = run_round(sr, emit, lambda row, e: self._fail(by_id[row.request_id], e, events),
+                           joint_group(sr, joint_round))
+        for r in [r for r in self._active if r.done]:
+            r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
+            self._release(r)
+        self.scheduler.observe(report)
 
     def _tokens_left(self, r: _Request) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
-
-    def _batched_cycles(self, joint: list, events: list) -> dict[str, list[int]]:
-        """One cycle for every started joint request in batched forwards; {id: emitted tokens}."""
-        try:
-            emitted = joint_round([r.decoder.decoder for r in joint], [r.decoder.budget for r in joint])
-        except Exception as e:  # the batch failed: each of its requests ends with the error
-            for r in joint:
-                self._fail(r, e, events)
-            return {}
-        for r in joint:
-            r.decoder.cycled = True
-        return {r.id: e for r, e in zip(joint, emitted)}
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:
@@ -318,9 +237,7 @@ class Engine:
     def _alone_and_plain_first(self) -> bool:
         """A new joint request's first cycles are likely plain and unbatched: a fixed k of 0, or
         the adaptive scheduler whose last decision drafted nothing, and no other joint request
-        active or waiting to batch with. (Started pipelined, a drafting first cycle takes the
-        token computed ahead, but the start's second forward costs ~7 ms more than that token
-        saves at α = 0.6 on this CPU's embedded model.)"""
+        active or waiting to batch with (docs/design.md, "Pipelined plain cycles")."""
         with self._lock:
             others = any(w.req.mode == "joint" for w in self._waiting)
         others = others or any(a.req.mode == "joint" for a in self._active)
@@ -340,7 +257,7 @@ class Engine:
             self._active.append(r)
             events.append(m.Started(r.id, len(r.prompt)))
 
-    def _decoder(self, r: _Request):
+    def _decoder(self, r: _Request) -> "BaselineDecoder | JointDecoder":
         req = r.req
         # with reuse: caches that hold a prefix of the prompt (restored, then prefilled to its boundaries)
         s = self.reuse.start(r.plan, r.prompt, req.mode == "joint") if r.plan else Start()
@@ -349,14 +266,10 @@ class Engine:
             drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
                        else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
                                     s.draft_cache, r.prompt[: s.draft_pos]))
-            jd = JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
-                              self.config.prefill_step, s.cache, s.pos)
-            return _Joint(jd, pipelined_start=self._alone_and_plain_first())
-        return _Baseline(generate_step(
-            mx.array(r.prompt[s.pos :]), self.lm.model, max_tokens=-1,
-            sampler=make_request_sampler(req.temperature, req.top_p, req.seed),
-            prefill_step_size=self.config.prefill_step, prompt_cache=s.cache,
-        ), s.cache)
+            return JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
+                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first())
+        return BaselineDecoder(self.lm.model, r.prompt, req.temperature, req.top_p, req.seed,
+                               self.config.prefill_step, s.cache, s.pos)
 
     def _on_token(self, r: _Request, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""
@@ -398,24 +311,14 @@ class Engine:
         self.scheduler.forget(r.id)
         if r in self._active:
             self._active.remove(r)
-        if isinstance(r.decoder, _Joint):
-            self.totals.add_joint(r.decoder.decoder.stats)
+        if r.decoder is not None and r.decoder.stats is not None:
+            self.totals.add_joint(r.decoder.stats)
         if r.plan is not None and r.finished and r.finished.finish_reason in ("stop", "length") and r.decoder is not None:
-            self._keep_generation(r)
+            self.reuse.keep_generation(r.plan, r.decoder.held())  # of the tokens the target cache consumed
         if r.decoder is not None:
             r.decoder.close()
             r.decoder = None
         self.totals.finished += 1
-
-    def _keep_generation(self, r: _Request) -> None:
-        """The end-of-generation snapshot, of the tokens the target cache consumed: baseline's
-        generate_step has fed every emitted token (it runs one ahead), the joint path all but the last."""
-        if isinstance(r.decoder, _Joint):
-            jd = r.decoder.decoder
-            jd.settle()
-            self.reuse.keep_generation(r.plan, jd.tokens[:-1], jd.cache, jd.drafter)
-        else:
-            self.reuse.keep_generation(r.plan, r.prompt + r.tokens, r.decoder.cache)
 
     def _metrics(self, r: _Request) -> m.RequestMetrics:
         n = len(r.tokens)
@@ -426,8 +329,8 @@ class Engine:
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
         )
-        if isinstance(r.decoder, _Joint):
-            s = r.decoder.decoder.stats
+        if r.decoder is not None and r.decoder.stats is not None:
+            s = r.decoder.stats
             out.draft, out.cycles, out.drafted, out.accepted = self.draft_id, s.cycles, s.drafted, s.accepted
             out.rollbacks, out.recovery_s = s.rollbacks, s.recovery_s
             out.budget_mean = s.drafted / s.cycles if s.cycles else 0.0

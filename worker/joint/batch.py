@@ -18,7 +18,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from worker.state import checkpoint as st
 from worker.joint.draft import Drafter
-from worker.joint.decoder import CATCH_UP_LAG, JointDecoder
+from worker.joint.decoder import JointDecoder
+from worker.round import CATCH_UP_LAG
 
 
 def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
@@ -82,8 +83,8 @@ def verify_batch(decoders: list[JointDecoder], drafted: list[list[int]]) -> mx.a
     st.set_record(batch, True)
     logits = decoders[0].target(x, cache=batch)
     for i, (d, n) in enumerate(zip(decoders, lens)):
-        d.cache = [_split_kv(c, i, width - n) if isinstance(c, BatchKVCache) else _split_recorded(c, i, n)
-                   for c in batch]
+        d.adopt_cache([_split_kv(c, i, width - n) if isinstance(c, BatchKVCache) else _split_recorded(c, i, n)
+                       for c in batch])
     return logits
 
 
@@ -155,11 +156,10 @@ def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: lis
     for r, (i, d) in enumerate(zip(rows, ds)):
         drafted = mx.concatenate(chosen[r]).tolist()
         k, f = ks[r], len(feeds[r])
-        d.cache = [_split_kv(c, r, len(steps) - k) if isinstance(c, BatchKVCache) else _row(c.cache, r)
-                   for c in batch]
-        d._base = (bases[r], before[r]) if d.recovery == "replay" else None
-        d._steps = [] if d.recovery == "replay" else [
-            (bases[r] + f + j, _row_checkpoint(batch, steps[j], r, bases[r] + f + j)) for j in range(k)]
+        cache = [_split_kv(c, r, len(steps) - k) if isinstance(c, BatchKVCache) else _row(c.cache, r)
+                 for c in batch]
+        d.adopt_batched(cache, bases[r], before[r],
+                        [(bases[r] + f + j, _row_checkpoint(batch, steps[j], r, bases[r] + f + j)) for j in range(k)])
         d.consumed_through(contexts[i], drafted)
         out[i] = (drafted, probs[r])
     return out

@@ -19,55 +19,15 @@ from typing import Optional
 
 import mlx.core as mx
 
-from worker.scheduler import PIPELINE_WARM_ROUNDS
+from worker.round import CATCH_UP_LAG, Paid, RowState, SetApart
 from worker.state import checkpoint as st
+from worker.state.reuse import Held
 from worker.joint.draft import Drafter, pow2_pieces
 from worker.joint.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 
 RECOVERY_PATHS = ("fast", "replay")
-CATCH_UP_LAG = 4  # a draft that must first feed more than this many tokens is catching up
 DRAFT_TIMED_EVERY = 8  # on a GPU, one drafting cycle in this many waits for its draft before queuing the
-                       # verify, so the draft's step is timed (the others overlap the two: read untimed,
-                       # the step measured 0.7 ms of 1.6 and priced deep drafts at α = 0.6 as paying)
-
-
-def switching_cost(decoders: list["JointDecoder"], budgets: list[int], batched: bool = False,
-                   timed_apart: bool = False) -> str:
-    """Why a round of these decoders (drafting budgets[i] each) is not timed as a round of its
-    shape, or "": a switching cost, paid once, that in the cost table would price every round
-    of the shape as if it paid it, and keep the scheduler from choosing it again. A draft first
-    feeds the prompt ("draft prefill") or the cycles it sat out ("draft catch-up"); a batched
-    round after pipelined plain cycles throws away the forward already computed ahead ("look-ahead
-    discarded": an unbatched drafting cycle takes its token instead); an unbatched plain cycle
-    after a drafting one (or the first) starts its pipeline ("plain pipeline start": it computes
-    two forwards, the second for the next cycle; on this CPU MLX's async_eval waits for the
-    work it queues), and the next
-    PIPELINE_WARM_ROUNDS - 1 run dear too ("plain pipeline warm-up": the embedded model on this
-    CPU, medians of 6 restarts: 89 ms, then 40, 42, 44, then 37, 36, 35, 34); a request's first
-    plain rounds, before it ever drafted, are set apart too but as "first plain rounds": they are
-    not what stopping costs (on the H200 a run's first warm-up rounds cost 10.5 ms, steady ones,
-    where those after a drafting stretch cost 43-61 ms in one run (12-29 ms, then steady, in a later
-    diagnostic), and priced by both a stop read cheap). With `timed_apart`, what
-    the decoders pay on their own and time apart (`JointDecoder.take_apart`: a catch-up of more
-    than CATCH_UP_LAG tokens, a discarded look-ahead) is left out: the rest of the round is then
-    a round of its shape."""
-    drafting = [d for d, k in zip(decoders, budgets) if k]
-    fed_in_round = [d for d in drafting if not (timed_apart and d.draft_lag > CATCH_UP_LAG)]
-    if any(d.draft_lacks_prompt for d in fed_in_round):
-        return "draft prefill"
-    if any(d.draft_lag > CATCH_UP_LAG for d in fed_in_round):
-        return "draft catch-up"
-    if not timed_apart and batched and any(d._ahead is not None for d in decoders):
-        return "look-ahead discarded"
-    restarts = [d for d, k in zip(decoders, budgets)
-                if not batched and k == 0 and (d._ahead is None or d._plain_run < PIPELINE_WARM_ROUNDS)]
-    if restarts and not any(d._drafting_cycles for d in restarts):
-        return "first plain rounds"  # a request's own start, not what stopping costs
-    if any(d._ahead is None for d in restarts):
-        return "plain pipeline start"
-    if restarts:
-        return "plain pipeline warm-up"
-    return ""
+                       # verify, so the draft's step is timed (docs/scheduler.md, "Draft step")
 
 
 @dataclass
@@ -92,9 +52,10 @@ class CycleStats:
 class JointDecoder:
     def __init__(self, target, drafter: Drafter, prompt: list[int], params: SamplingParams,
                  seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512,
-                 cache: Optional[list] = None, cached: int = 0):
+                 cache: Optional[list] = None, cached: int = 0, pipelined_start: bool = False):
         """`cache`, holding the prompt's first `cached` tokens: start from a restored state (the
-        drafter likewise holds a prefix of the prompt; start() feeds each what it lacks)."""
+        drafter likewise holds a prefix of the prompt; start() feeds each what it lacks).
+        `pipelined_start`: plain cycles are likely first (see `start`)."""
         if recovery not in RECOVERY_PATHS:
             raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
         self.target, self.drafter, self.params = target, drafter, params
@@ -108,10 +69,31 @@ class JointDecoder:
         self._pending: Optional[tuple] = None
         self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
         self._plain_run = 0  # plain cycles since the pipeline (re)started
-        self._apart: dict[str, tuple[float, int, int]] = {}  # switching costs paid on their own: (seconds, tokens and pieces fed) by reason
+        self._apart: dict[SetApart, Paid] = {}  # switching costs paid on their own
         self._taken: Optional[tuple] = None  # this cycle began with the look-ahead's token: states before it
-        self.last_draft_s = 0.0  # what the last drafting cycle's proposal took (its share, batched; 0: not timed)
+        self.draft_s = 0.0  # what the last drafting cycle's proposal took (its share, batched; 0: not timed)
+        self.last_cycle = (0, 0)  # (drafted, accepted) of the last cycle
         self._drafting_cycles = 0
+        self.pipelined_start = pipelined_start
+        self.started = False
+        self._just_started = False  # the last advance was the start: nothing to commit
+
+    # ---- the round's Decoder (worker/round.py) ----
+
+    def state(self, request_id: str, tokens_left: int) -> Optional[RowState]:
+        if not self.started:
+            return None
+        ahead = self._ahead is not None
+        return RowState(request_id, room=max(0, tokens_left - 1 - ahead), lag=self.draft_lag,
+                        lacks_prompt=self.draft_lacks_prompt, ahead=ahead, plain_run=self._plain_run,
+                        has_drafted=self._drafting_cycles > 0, last=tokens_left <= 1)
+
+    def advance(self, k: int, last: bool = False) -> list[int]:
+        """The first call starts (prefills); each later one is a cycle drafting k."""
+        self._just_started = not self.started
+        if self._just_started:
+            return [self.start(self.pipelined_start)]
+        return self.cycle(k, last)
 
     # ---- start ----
 
@@ -119,9 +101,9 @@ class JointDecoder:
         """Prefills the target with the prompt; returns the first token (the target's). The draft
         catches up at its first drafting cycle: a request the scheduler never drafts for never
         pays the draft's prefill. `pipelined`: the next forward is started before the first token
-        is read, as mlx-lm's generate_step does, for plain cycles to follow (a drafting cycle throws
-        it away); started after it, the plain pipeline costs a request ~100 ms more on this CPU's
-        embedded model (48 tokens of plain cycles read 0.94 of baseline)."""
+        is read, as mlx-lm's generate_step does, for plain cycles to follow (a drafting cycle takes
+        its token; docs/design.md, "Pipelined plain cycles")."""
+        self.started = True
         prompt = self.tokens
         st.prefill(self.target, self.cache, prompt[self.cached : -1], self.prefill_step)
         y = self._pick(self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1])
@@ -165,19 +147,26 @@ class JointDecoder:
         self.drafter.consumed_through(self.tokens, drafted)
         return taken + self.accept(drafted, qs, logits, ck, t1 - t0, t1, choices, timed)
 
+    def close(self) -> None:
+        pass
+
+    def adopt_cache(self, cache: list) -> None:
+        """After a batched verify (worker/joint/batch.py): this request's row of the batch cache."""
+        self.cache = cache
+
     def take_ahead(self) -> list[int]:
         """Before a drafting cycle after pipelined plain ones: the token computed ahead is the
         target's own next token, so it becomes this cycle's first, and the cache, which holds the
-        token before it, holds every token but the last as after a commit. Thrown away instead,
-        its forward was paid for nothing: on this CPU a probe then cost ~1 plain round more. The
-        wait for it is timed apart ("look-ahead taken"): it is part of a plain round's work."""
+        token before it, holds every token but the last as after a commit (thrown away, its forward
+        is paid for nothing). The wait for it is timed apart ("look-ahead taken"): it is part of
+        a plain round's work."""
         if self._ahead is None:
             return []
         t0 = time.perf_counter()
         tok = self._ahead[0].item()
         self._ahead = None
         self.tokens.append(tok)
-        self._pay_apart("look-ahead taken", time.perf_counter() - t0)
+        self._pay_apart(SetApart.LOOK_AHEAD_TAKEN, time.perf_counter() - t0)
         return [tok]
 
     def _plain(self, last: bool = False) -> list[int]:
@@ -227,27 +216,31 @@ class JointDecoder:
         if self._ahead is not None:
             t0 = time.perf_counter()
             mx.eval(self._ahead[0])
-            st.restore(self.cache, self._ahead[1])
+            st.rollback(self.cache, self._ahead[1])
             self._ahead = None
-            self._pay_apart("look-ahead discarded", time.perf_counter() - t0)
+            self._pay_apart(SetApart.LOOK_AHEAD_DISCARDED, time.perf_counter() - t0)
+
+    def held(self) -> Held:
+        """What the caches hold once a pending look-ahead is undone (for a snapshot)."""
+        self.settle()
+        return Held(self.tokens[:-1], self.cache, self.drafter)
 
     def catch_up_draft(self) -> None:
         """Before drafting: a draft more than CATCH_UP_LAG tokens behind (the prompt, or the cycles
         it sat out) first feeds them, evaluated and timed apart."""
         if self.draft_lag > CATCH_UP_LAG:
-            why = "draft prefill" if self.draft_lacks_prompt else "draft catch-up"
+            why = SetApart.DRAFT_PREFILL if self.draft_lacks_prompt else SetApart.DRAFT_CATCH_UP
             t0, fed = time.perf_counter(), len(self.drafter.consumed)
             self.drafter.catch_up(self.tokens)
             fed = len(self.drafter.consumed) - fed
             self._pay_apart(why, time.perf_counter() - t0, fed, len(pow2_pieces(fed, self.drafter.prefill_step)))
 
-    def _pay_apart(self, why: str, seconds: float, tokens: int = 0, pieces: int = 0) -> None:
-        s, t, p = self._apart.get(why, (0.0, 0, 0))
-        self._apart[why] = (s + seconds, t + tokens, p + pieces)
+    def _pay_apart(self, why: SetApart, seconds: float, tokens: int = 0, pieces: int = 0) -> None:
+        self._apart[why] = self._apart.get(why, Paid()).add(Paid(seconds, tokens, pieces))
 
-    def take_apart(self) -> dict[str, tuple[float, int, int]]:
-        """The switching costs paid on their own since the last call: {reason: (seconds, tokens
-        and pieces a catch-up fed)}."""
+    def take_apart(self) -> dict[SetApart, Paid]:
+        """The switching costs paid on their own since the last call (with the tokens and pieces
+        a catch-up fed)."""
         out, self._apart = self._apart, {}
         return out
 
@@ -265,16 +258,6 @@ class JointDecoder:
     def draft_lacks_prompt(self) -> bool:
         """The draft has not consumed the whole prompt yet (it has not drafted for this request)."""
         return len(self.drafter.consumed) < self.prompt_len
-
-    @property
-    def draft_behind(self) -> bool:
-        """Drafting now would first pay a catch-up: the prompt, or the cycles the draft sat out."""
-        return self.draft_lacks_prompt or self.draft_lag > CATCH_UP_LAG
-
-    @property
-    def draft_feed(self) -> int:
-        """Tokens the draft would feed apart before drafting now (`catch_up_draft`; 0: none)."""
-        return max(0, self.draft_lag - 1) if self.draft_lag > CATCH_UP_LAG else 0
 
     @property
     def draft_lag(self) -> int:
@@ -307,7 +290,7 @@ class JointDecoder:
         s.drafted += k
         s.accepted += n
         s.draft_s += draft_s
-        self.last_draft_s = draft_s if timed else 0.0
+        self.draft_s = draft_s if timed else 0.0
         s.verify_s += time.perf_counter() - verify_start
         s.record_acceptance(k, n)
         self.last_cycle = (k, n)
@@ -322,6 +305,9 @@ class JointDecoder:
 
     def commit(self, m: int) -> None:
         """Keeps the first m emitted tokens and recovers both caches to exactly that prefix."""
+        if self._just_started:  # the start's one token: nothing to recover
+            self._just_started = False
+            return
         drafted, emitted, ck = self._pending
         self._pending = None
         taken, self._taken = self._taken, None
@@ -330,7 +316,7 @@ class JointDecoder:
             raise ValueError(f"commit({m}) of {first + len(emitted)} emitted tokens")
         m -= first
         if m == 0:  # the look-ahead's token kept alone: both caches as before the drafts
-            st.restore(self.cache, taken[0])
+            st.rollback(self.cache, taken[0])
             self._stop_recording()
             self.drafter.rewind(taken[1])
             return
@@ -341,7 +327,7 @@ class JointDecoder:
             if self.recovery == "fast":
                 st.keep_recorded(self.cache, verified, m)
             else:
-                st.restore(self.cache, ck)
+                st.rollback(self.cache, ck)
                 self.target(mx.array(([self.tokens[-1]] + drafted)[:m])[None], cache=self.cache)
         self._stop_recording()
         self.tokens += emitted[:m]

@@ -84,6 +84,14 @@ class Drafter:
             probs.append(q)
         return mx.concatenate(tokens), probs
 
+    def adopt_batched(self, cache: list, base: int, before: st.Checkpoint,
+                      steps: list[tuple[int, st.Checkpoint]]) -> None:
+        """After a batched proposal (worker/joint/batch.py): this request's row of the batch cache,
+        what it held before (`base` tokens: `before`) and its state after each draft step."""
+        self.cache = cache
+        self._base = (base, before) if self.recovery == "replay" else None
+        self._steps = [] if self.recovery == "replay" else steps
+
     def consumed_through(self, context: list[int], drafted: list[int]) -> None:
         """After a proposal: the draft holds `context` and all but the last proposal. In place:
         a copy of the whole context each cycle cost 47 us of a 1.4 ms round (tiny pair, 1.5 k tokens)."""
@@ -105,7 +113,7 @@ class Drafter:
         """Back to a `snapshot` taken before this cycle's proposal (the draft may lag: it feeds
         what it lacks at its next proposal)."""
         n, ck = snap
-        st.restore(self.cache, ck)
+        st.rollback(self.cache, ck)
         del self.consumed[n:]
         self._agreed = min(self._agreed, n)
         self._steps, self._base = [], None
@@ -120,10 +128,10 @@ class Drafter:
             return
         if self.recovery == "fast":
             ck = next(ck for n, ck in self._steps if n == keep)
-            st.restore(self.cache, ck)
+            st.rollback(self.cache, ck)
         else:
             base, ck = self._base
-            st.restore(self.cache, ck)
+            st.rollback(self.cache, ck)
             if keep > base:
                 self.model(mx.array(target_tokens[base:keep])[None], cache=self.cache)
         st.eval_recovered(self.cache)

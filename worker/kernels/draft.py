@@ -1,6 +1,6 @@
 """The few large kernels of a Qwen3.5 draft's decode step (MLX's CUDA backend), and their ops.
 
-On the H200 a kernel launch costs the host 4-12 µs through MLX (BENCHMARKS.md: a 1x64 matmul
+On the H200 a kernel launch costs the host 4-12 µs through MLX (docs/design.md, "Draft kernels": a 1x64 matmul
 11.6 µs, an elementwise op 4.3, a custom kernel 6.4), and the 0.75 B draft's step launched ~600
 of them: 5-7 ms of dispatch for 1.5 GB of weights, as dear as a third of the 9 B step. These
 kernels do a sublayer's work in one launch each:
@@ -23,6 +23,8 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from worker.kernels import gdn
 
 MAX_T = 8  # widest forward the kernels take (a draft feeds 1-2 tokens a step)
 GDN_WARPS = 8  # warps of a gdn_step block (Dv / GDN_WARPS state rows each, in registers)
@@ -124,15 +126,7 @@ _GDN = """
       s[r][m] = state[((size_t)hv * Dv + warp + WARPS * r) * Dk + lane + 32 * m];
   const float a_log = expf(verity_bf16(A_log, hv)), dt = verity_bf16(dt_bias, hv);
   for (int t = 0; t < T; ++t) {
-    float q[NPT], k[NPT], qs = 0.f, ks = 0.f;
-    for (int m = 0; m < NPT; ++m) {
-      q[m] = conv(hk * Dk + lane + 32 * m, t);
-      k[m] = conv(KD + hk * Dk + lane + 32 * m, t);
-      qs += q[m] * q[m];
-      ks += k[m] * k[m];
-    }
-    const float qn = rsqrtf(verity_wsum(qs) + 1e-6f) * rsqrtf((float)Dk), kn = rsqrtf(verity_wsum(ks) + 1e-6f);
-    for (int m = 0; m < NPT; ++m) { q[m] *= qn; k[m] *= kn; }
+    VERITY_GDN_QK
     const float ax = verity_bf16(p, (size_t)t * P + C + VD + Hv + hv) + dt;
     const float g = expf(-a_log * (ax > 20.f ? ax : log1pf(expf(ax))));
     const float beta = 1.f / (1.f + expf(-verity_bf16(p, (size_t)t * P + C + VD + hv)));
@@ -178,6 +172,7 @@ _GDN = """
     conv_out[(size_t)row * C + ch] = static_cast<OutT>(VERITY_CONV_IN(ch, T + row));
   }
 """
+_GDN = gdn.with_qk_norm(_GDN)
 
 _kernels: dict = {}
 _scalars: dict = {}

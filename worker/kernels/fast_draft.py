@@ -1,4 +1,4 @@
-"""A Qwen3.5 draft's forward in a few large kernels a layer (spec/draft_kernels.py).
+"""A Qwen3.5 draft's forward in a few large kernels a layer (worker/kernels/draft.py).
 
 mlx-lm's forward of the 0.75 B draft launches ~600 kernels a token; on the H200 their dispatch,
 not the 1.5 GB of weights, sets the step's cost. Here a Gated-DeltaNet layer is five launches:
@@ -155,7 +155,7 @@ class FastForward:
 def set_fast(model, on: bool = True, persistent: bool = False) -> bool:
     """Makes the model's narrow forwards take the kernels' path, or takes it back; True if the
     path applies to the model (a Qwen3.5 model of unquantized linear layers). `persistent`: where
-    spec/persistent_draft.py applies, its one-launch step instead (CUDA only)."""
+    worker/kernels/persistent_draft.py applies, its one-launch step instead (CUDA only)."""
     cls = type(model)
     model.__dict__.pop("_persistent", None)
     if not on:
@@ -176,7 +176,7 @@ def set_fast(model, on: bool = True, persistent: bool = False) -> bool:
 
 
 def install_where_it_runs(model) -> bool:
-    """A draft's narrow forwards take the one-launch step (spec/persistent_draft.py), else the
+    """A draft's narrow forwards take the one-launch step (worker/kernels/persistent_draft.py), else the
     kernels a sublayer, where the kernels run (a CUDA GPU, bfloat16); True if so. Elsewhere the
     model is left as it is."""
     weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)

@@ -1,7 +1,7 @@
 """The Gated-DeltaNet recurrence as one CUDA kernel per layer forward (MLX's CUDA backend).
 
 Off Metal, mlx-lm runs the recurrence one token at a time, some ten kernels a token in every
-Gated-DeltaNet layer, and on a GPU each launch costs more than its work (BENCHMARKS.md: a 9 B
+Gated-DeltaNet layer, and on a GPU each launch costs more than its work (docs/design.md, "GPU kernels": a 9 B
 step is 5.5 ms of dispatch; a 4-token verify costs 2.5 one-token steps). This kernel runs all T
 tokens of a forward in one launch: one warp per (batch row, value head, value row), the row's
 state in registers, and writes the state after every token when the joint path records them
@@ -68,6 +68,24 @@ _SOURCE = """
 _KEEP = """for (int i = 0; i < NPT; ++i)
       states[(size_t)t * NB + row + lane + 32 * i] = static_cast<StT>(s[i]);"""
 
+# One token's q and k in a fused draft kernel (worker/kernels/draft.py and persistent_draft.py put
+# it where they write VERITY_GDN_QK): the short conv's output (`conv`), L2-normed, q also by 1/sqrt(Dk).
+QK_NORM = """
+    float q[NPT], k[NPT], qs = 0.f, ks = 0.f;
+    for (int m = 0; m < NPT; ++m) {
+      q[m] = conv(hk * Dk + lane + 32 * m, t);
+      k[m] = conv(KD + hk * Dk + lane + 32 * m, t);
+      qs += q[m] * q[m];
+      ks += k[m] * k[m];
+    }
+    const float qn = rsqrtf(verity_wsum(qs) + 1e-6f) * rsqrtf((float)Dk), kn = rsqrtf(verity_wsum(ks) + 1e-6f);
+    for (int m = 0; m < NPT; ++m) { q[m] *= qn; k[m] *= kn; }"""
+
+
+def with_qk_norm(source: str) -> str:
+    return source.replace("VERITY_GDN_QK", QK_NORM)
+
+
 _kernels: dict = {}
 _enabled = True
 
@@ -116,6 +134,31 @@ def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, keep: b
     return tuple(out)
 
 
+def zero_state(q: mx.array, v: mx.array) -> mx.array:
+    """The recurrence's state before any token: [B, Hv, Dv, Dk], float32."""
+    return mx.zeros((q.shape[0], *v.shape[2:], q.shape[-1]), dtype=mx.float32)
+
+
+def every_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, list[mx.array]]:
+    """The recurrence keeping the state after every token: (outputs [B, T, Hv, Dv], the states).
+    One launch of this kernel where it runs, else mlx-lm's per-token ops."""
+    if available() and fits(q, v):
+        y, _, states = recurrence(q, k, v, g, beta, state, mask, keep=True)
+        return y, [states[t] for t in range(q.shape[1])]
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops
+
+    T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
+    if (r := Hv // Hk) > 1:
+        q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
+    ys, states = [], []
+    for t in range(T):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+                                         None if mask is None else mask[:, t])
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), states
+
+
 def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
     """mlx-lm's `gated_delta_update` (its gating, this kernel) where the kernel runs."""
     from mlx_lm.models.gated_delta import compute_g, gated_delta_update as mlx_lm_update
@@ -123,7 +166,7 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **k
     if kw.get("lower_bound") is not None or kw.get("allow_neg_eigval") or not (available() and fits(q, v)):
         return mlx_lm_update(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
     if state is None:
-        state = mx.zeros((q.shape[0], *v.shape[2:], q.shape[-1]), dtype=mx.float32)
+        state = zero_state(q, v)
     y, final = recurrence(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
     return y, final
 

@@ -1,16 +1,14 @@
 """A Qwen3.5 draft's decode step in one kernel launch: every layer, grid-wide barriers between
 sublayers (MLX's CUDA backend).
 
-Through MLX a launch costs the host 6-30 µs (BENCHMARKS.md), and the draft's step in a kernel a
-sublayer (spec/fast_draft.py) is still ~190 launches: 3.3 ms of dispatch for 1 ms of weights.
-Here one persistent kernel runs all 24 layers for T tokens of one sequence: its blocks (at most
-one per SM, so all are resident) split each sublayer's rows, then meet at a barrier (an atomic
-counter and generation in a small buffer kept across calls) before the next sublayer reads what
-they wrote. Scratch written in the kernel is read with `__ldcg` (L2, not a block's stale L1).
+One persistent kernel runs all 24 layers for T tokens of one sequence, where a kernel a sublayer
+(worker/kernels/fast_draft.py) is ~190 launches whose dispatch outweighs the weights' read
+(docs/design.md, "Draft kernels"). Its blocks (at most one per SM, so all are resident) split each
+sublayer's rows, then meet at a barrier (an atomic counter and generation in a small buffer kept
+across calls). Scratch written in the kernel is read with `__ldcg` (L2, not a block's stale L1).
 Each block stages a projection's input in shared memory once, normed (or gated) and rounded to
-bf16 as mlx-lm's norms round it; read from L2 by every warp for every row, with its gamma, it
-had cost 2-3× the weights' own traffic (the step: 2.8 -> 1.6 ms chained on the H200).
-The head (the tied embedding) is spec/draft_kernels.gemv, a second launch.
+bf16 as mlx-lm's norms round it.
+The head (the tied embedding) is worker/kernels/draft.gemv, a second launch.
 
 Attention layers write their new keys and values into the KV cache's buffer in place (a cache
 without room grows first, as mlx-lm's does; a window past MAX_S takes the sublayer path), and the
@@ -26,7 +24,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from worker.kernels import draft as dk
+from worker.kernels import draft as dk, gdn
 
 BLOCKS = 128  # at most the SMs of an H100 / H200 (132): every block resident, as the barrier needs
 WARPS = {1: 16}  # warps a block by T (16 at T = 2 asks for more registers than an SM has)
@@ -192,15 +190,7 @@ _SOURCE = """
           for (int m = 0; m < NPT; ++m) s[r][m] = st[(size_t)r * Dk + lane + 32 * m];
         const float a_log = expf(A_log[lg * Hv + hv]), dt = dt_bias[lg * Hv + hv];
         for (int t = 0; t < T; ++t) {
-          float q[NPT], k[NPT], qs = 0.f, ks = 0.f;
-          for (int m = 0; m < NPT; ++m) {
-            q[m] = conv(hk * Dk + lane + 32 * m, t);
-            k[m] = conv(KD + hk * Dk + lane + 32 * m, t);
-            qs += q[m] * q[m];
-            ks += k[m] * k[m];
-          }
-          const float qn = rsqrtf(verity_wsum(qs) + 1e-6f) * rsqrtf((float)Dk), kn = rsqrtf(verity_wsum(ks) + 1e-6f);
-          for (int m = 0; m < NPT; ++m) { q[m] *= qn; k[m] *= kn; }
+          VERITY_GDN_QK
           const float ax = __ldcg(p + (size_t)t * P + C + VD + Hv + hv) + dt;
           const float g = expf(-a_log * (ax > 20.f ? ax : log1pf(expf(ax))));
           const float beta = 1.f / (1.f + expf(-__ldcg(p + (size_t)t * P + C + VD + hv)));
@@ -323,6 +313,7 @@ _SOURCE = """
   for (int i = gt; i < T * H; i += nthreads) h_out[i] = static_cast<OutT>(__ldcg(hs + i));
   if (gt == 0) done[0] = after[0];
 """
+_SOURCE = gdn.with_qk_norm(_SOURCE)
 
 _HEADER_EXTRA = """
 #define U16(p) reinterpret_cast<const unsigned short*>(p)
@@ -408,8 +399,7 @@ _kernels: dict = {}
 
 def _kernel(n_attn: int):
     if n_attn not in _kernels:
-        keys = [f"keys{i}" for i in range(n_attn)]
-        values = [f"values{i}" for i in range(n_attn)]
+        keys, values = ([f"{kind}{i}" for i in range(n_attn)] for kind in ("keys", "values"))
         table = ("  const void* KEYS[] = {%s};\n  const void* VALUES[] = {%s};\n"
                  "  const int64_t KSTR[][4] = {%s};\n  const int64_t VSTR[][4] = {%s};\n") % (
             ", ".join(keys), ", ".join(values),
@@ -451,9 +441,7 @@ def _make_room(c: KVCache, T: int) -> None:
 def layers_step(model, w: _Weights, h: mx.array, cache: list) -> mx.array:
     """The residual stream after every layer ([T, H] bf16) for the embedded tokens h [T, H]; the
     caches advanced by T (keys and values written in place)."""
-    T = h.shape[0]
-    text = model.language_model
-    args = text.args
+    T, args = h.shape[0], model.language_model.args
     kvs = [c for c in cache if type(c) is KVCache]
     rec = [c for c in cache if type(c) is not KVCache]
     for c in kvs:

@@ -11,6 +11,8 @@ import time
 from collections import deque
 from typing import Sequence
 
+from worker.round import RoundInput, RoundPlan, RoundReport
+
 
 def survivals(acceptance: Sequence[float]) -> list[float]:
     """s[j] = a[1]·…·a[j]: the chance that draft position j is reached and accepted."""
@@ -957,6 +959,20 @@ class Scheduler:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+
+    def plan_round(self, inp: RoundInput) -> RoundPlan:
+        """The round's draft length for each joint row (worker/round.py)."""
+        rows = inp.rows
+        ks = self.plan([r.request_id for r in rows], inp.n_requests, [r.behind for r in rows], [r.room for r in rows],
+                       [r.ahead for r in rows], pipelined=inp.pipelined, feeds=[r.feed for r in rows])
+        return RoundPlan({r.request_id: k for r, k in zip(rows, ks)})
+
+    def observe(self, report: RoundReport) -> None:
+        """A round as it ran: each cycle's acceptance, then the round's time."""
+        for c in report.cycles:
+            self.observe_cycle(c.request_id, c.k, c.accepted)
+        apart = {str(why): (p.seconds, p.tokens, p.pieces) for why, p in report.apart.items()}
+        self.observe_round(report.seconds, report.complete, str(report.reason or ""), apart, report.draft_s)
 
 
 def replay(lines: Sequence[str]) -> list[str]:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from worker.kernels import gdn as gdn_kernel
 
@@ -81,34 +81,14 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
 
 def _recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
-    """gated_delta_ops (mlx-lm's per-token loop, the same ops), keeping every state."""
-    if state is None:
-        B, _, _, Dk = q.shape
-        state = mx.zeros((B, *v.shape[-2:], Dk), dtype=mx.float32)
-    return step_states(q, k, v, mx.sigmoid(b), compute_g(A_log, a, dt_bias), state, mask)
-
-
-def step_states(q, k, v, beta, g, state, mask=None):
-    """The recurrence one token at a time: (outputs [B, T, Hv, Dv], the state after each token).
-    On a CUDA GPU one kernel runs every token (spec/gdn_kernel.py)."""
-    if gdn_kernel.available() and gdn_kernel.fits(q, v):
-        y, _, states = gdn_kernel.recurrence(q, k, v, g, beta, state, mask, keep=True)
-        return y, [states[t] for t in range(q.shape[1])]
-    T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
-    if (r := Hv // Hk) > 1:
-        q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
-    ys, states = [], []
-    for t in range(T):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
-                                         None if mask is None else mask[:, t])
-        ys.append(y)
-        states.append(state)
-    return mx.stack(ys, axis=1), states
+    """mlx-lm's gated_delta_ops (its gating, the same recurrence), keeping every state."""
+    state = gdn_kernel.zero_state(q, v) if state is None else state
+    return gdn_kernel.every_state(q, k, v, mx.sigmoid(b), compute_g(A_log, a, dt_bias), state, mask)
 
 
 def install_recording(model) -> bool:
     """Lets the model's Gated-DeltaNet layers record per-position states; True if it has any.
-    On a CUDA GPU their recurrence then runs as one kernel a forward (spec/gdn_kernel.py)."""
+    On a CUDA GPU their recurrence then runs as one kernel a forward (worker/kernels/gdn.py)."""
     found = False
     for layer in getattr(model, "layers", []):
         attn = getattr(layer, "linear_attn", None)
@@ -148,7 +128,7 @@ def checkpoint(cache: list) -> Checkpoint:
     )
 
 
-def restore(cache: list, ck: Checkpoint) -> None:
+def rollback(cache: list, ck: Checkpoint) -> None:
     for c, off, arrays in zip(cache, ck.offsets, ck.arrays):
         if isinstance(c, KVCache):
             c.trim(c.offset - off)

@@ -51,6 +51,16 @@ class Start:
     draft_pos: int = 0
 
 
+@dataclass
+class Held:
+    """What a finished request's caches hold: its target cache exactly `tokens`, its drafter (a
+    joint request's) a prefix of them."""
+
+    tokens: list[int]
+    cache: list
+    drafter: Optional[object] = None
+
+
 def entry_id(identity: str, tokens: list[int]) -> str:
     return hashlib.sha256(identity.encode() + array("I", tokens).tobytes()).hexdigest()[:32]
 
@@ -150,9 +160,9 @@ class PrefixCache:
         except Exception:
             log.exception("could not keep a snapshot")
 
-    def keep_generation(self, plan: Plan, tokens: list[int], cache: list, drafter=None) -> None:
-        """The end of a generation: `cache` holds exactly `tokens` (a joint request's drafter, a
-        prefix of them)."""
+    def keep_generation(self, plan: Plan, held: Held) -> None:
+        """The end of a generation: a snapshot of what its caches hold."""
+        tokens, cache, drafter = held.tokens, held.cache, held.drafter
         draft_tokens = 0
         if drafter is not None and drafter.consumed == tokens[: len(drafter.consumed)]:
             draft_tokens = len(drafter.consumed)
