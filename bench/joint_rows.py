@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 RECOVERIES = ("fast", "replay")
-NEAR_TIE = 1e-3  # DESIGN.md: a divergence is tolerated only where the top two logits differ less
+NEAR_TIE = 1e-3  # docs/design.md, "Exactness": a divergence is tolerated only where the top two logits differ less
 
 LLAMA_SHAPE = dict(hidden=256, layers=6)
 PERTURB_NOISE = 0.3

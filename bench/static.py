@@ -1,7 +1,7 @@
 """Whole-model compiled forwards on fixed-shape state, for GPUs where launches and host work cost.
 
 A Qwen3.5-9B decode step on the H200 reads 16 GB (~5 ms) but takes 10-17 ms eager: some 1,500
-ops built in Python and launched one by one (BENCHMARKS.md). Compiled whole, a step replays one
+ops built in Python and launched one by one (docs/design.md, "GPU kernels"). Compiled whole, a step replays one
 traced graph, its elementwise chains fused. That needs every shape fixed: attention KV lives in
 a buffer of fixed capacity (mlx-lm's KVCache, its buffer grown to a multiple of CAPACITY_STEP),
 written at a traced offset and read whole under a mask; recurrent state has a fixed shape already.

@@ -1,4 +1,4 @@
-"""Finds an optimized BLAS to preload into processes that run MLX on Linux (FINDINGS.md).
+"""Finds an optimized BLAS to preload into processes that run MLX on Linux (docs/design.md, "The BLAS on Linux").
 
 `python -m cli.blas` prints the library path (empty where there is none), for shell commands:
     LD_PRELOAD=$(python -m cli.blas) python -m pytest

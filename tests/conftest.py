@@ -11,7 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.tiny_models import tiny_model_dir  # noqa: E402
-from reliability import pytest_runtest_logreport, pytest_sessionfinish, reliability  # noqa: E402,F401  RELIABILITY.md
+# the reliability run's figures, rendered into docs/reliability.md
+from reliability import pytest_runtest_logreport, pytest_sessionfinish, reliability  # noqa: E402,F401
 
 FULL = os.environ.get("VERITY_FULL") == "1"
 

@@ -1,12 +1,12 @@
 """The reliability run's figures: tests record what they tried and measured; at the end of the
-session they are written to artifacts/reliability.json and rendered into RELIABILITY.md.
+session they are written to artifacts/reliability.json and rendered into docs/reliability.md.
 
     def test_something(reliability):
         reliability.record("faults", "Worker killed mid-stream", "what was done ...",
                            streams_ended_with_error=1, waiting_served=2)
 
 artifacts/RELIABILITY.md is written by every run that recorded something. The committed
-RELIABILITY.md at the repository root is rewritten only by a full reliability run:
+docs/reliability.md is rewritten only by a full reliability run:
 VERITY_FULL=1 (the 500-request load run), every reliability test run and passed.
 
 Also here: process helpers over /proc (pids of a stack's processes, liveness, resident memory).
@@ -83,7 +83,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     (ARTIFACTS / "RELIABILITY.md").write_text(text)
     complete = {e["section"] for e in entries} == set(SECTIONS)
     if FULL and complete and all(e["outcome"] == "passed" for e in entries):
-        (ROOT / "RELIABILITY.md").write_text(text)
+        (ROOT / "docs" / "reliability.md").write_text(text)
 
 
 def _git(*args: str) -> str:

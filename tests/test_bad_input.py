@@ -261,7 +261,7 @@ async def test_hostile_requests_at_the_http_layer(served, reliability):
 
 
 async def test_hand_written_bad_bodies_recorded(served, reliability):
-    """Counts the hand-written bad bodies (run above) for RELIABILITY.md and checks nothing leaked."""
+    """Counts the hand-written bad bodies (run above) for docs/reliability.md and checks nothing leaked."""
     status, body = await asyncio.to_thread(served.health)
     assert status == 200 and body["admitted"] == 0
     reliability.record(

@@ -22,7 +22,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 KEY = "browser-key"
-PRESET = [[0.95, 0.90, 0.85], [0.80, 0.60, 0.40], [0.60, 0.50, 0.30]]  # DESIGN.md's example
+PRESET = [[0.95, 0.90, 0.85], [0.80, 0.60, 0.40], [0.60, 0.50, 0.30]]  # docs/design.md's worked example
 TIMEOUT_MS = 60_000
 
 
@@ -140,7 +140,7 @@ def test_allocation_view_follows_the_scheduler(stack, page):
     page.wait_for_selector("#ranking li")
     assert "runs no model" in page.text_content("#allocation .notice")
     order, verified, lengths = shown(page)  # the preset, at its default budget
-    assert order == ["A1", "A2", "B1", "A3", "C1", "B2", "C2", "B3", "C3"]  # DESIGN.md's order
+    assert order == ["A1", "A2", "B1", "A3", "C1", "B2", "C2", "B3", "C3"]  # the worked example's order there
     assert (order, verified, lengths) == expected(PRESET, 4)
     assert [c.text_content() for c in page.query_selector_all("#survival-table tbody tr:first-child td")] == \
         ["0.950#1", "0.855#2", "0.727#4"]

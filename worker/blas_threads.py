@@ -1,4 +1,4 @@
-"""The BLAS's thread count by phase, where MLX runs on the CPU (FINDINGS.md: MKL on the 2-core CPU).
+"""The BLAS's thread count by phase, where MLX runs on the CPU (docs/design.md, "The BLAS on Linux").
 
 A prefill's matrix products are large and use every core: 512 prompt tokens of the embedded
 model took 2.1 s with MKL's 2 threads, 2.9 s with one. A decode round's are small (1-9 rows),
