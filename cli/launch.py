@@ -34,6 +34,7 @@ BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 RESTART_WINDOW_S = 120.0
 EXIT_START_FAILED, EXIT_WORKER_FAILING = 1, 2
 DEFAULT_CACHE_BYTES = "1G"
+DEFAULT_MAX_ACTIVE = 16  # one batch: aggregate tokens/s grows with it (docs/benchmarks.md, "bench batch"); memory bounds it (--kv-budget)
 
 
 class StartFailed(Exception):
@@ -64,7 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="hybrid-state recovery: per-position states (fast) or checkpoint and replay")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-active", type=int, default=4, help="requests decoded at once")
+    p.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+                   help="requests decoded at once, in one batch (each also needs its worst case to fit --kv-budget)")
+    p.add_argument("--kv-budget", type=byte_size, default=None,
+                   help="bytes the admitted requests' caches may take at most, e.g. 8G (default: the GPU's memory, "
+                        "or half the machine's on the CPU, less the weights)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; past that, 429")
     p.add_argument("--api-key", default=None, help="require this bearer token (or set VERITY_API_KEY)")
     p.add_argument("--max-tokens-cap", type=int, default=2048)
@@ -124,6 +129,7 @@ class Supervisor:
         gw_env = {**base, "VERITY_API_KEY": key} if key else {k: v for k, v in base.items() if k != "VERITY_API_KEY"}
         worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
                                   "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
+                                  *(["--kv-budget", str(a.kv_budget)] if a.kv_budget else []),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
                                   *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
                                   *(["--decision-log", a.decision_log] if a.decision_log else []),

@@ -35,7 +35,7 @@ class GatewayConfig:
     runtime_dir: str
     host: str = "127.0.0.1"
     port: int = 8000
-    max_active: int = 4
+    max_active: int = 16
     queue_size: int = 16
     api_key: Optional[str] = None
     max_tokens_cap: int = 2048

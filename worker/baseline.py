@@ -1,43 +1,88 @@
-"""Baseline generation: mlx-lm's generate_step, pipelined one-token steps, as a round's Decoder."""
+"""Baseline generation: every baseline request decoded in one batched forward a round.
+
+mlx-lm's BatchGenerator runs the batch: a request joins after its prompt is prefilled (in chunks of
+`prefill_step` tokens between decode steps, so running streams keep flowing), leaves between
+rounds, and samples with its own sampler (its own random key). Each request is a `BaselineRow`,
+the round's Decoder (worker/round.py): the shared step, run once a round, hands it its token.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator
 
 from worker.round import Paid, RowState, SetApart
 from worker.sampling import make_request_sampler
 from worker.state.reuse import Held
 
+NO_LIMIT = 1 << 40  # the batch never ends a row itself: the engine ends it (stop, length, cancel)
 
-class BaselineDecoder:
-    """One token a cycle; the scheduler only counts it. After each token its cache holds the
-    prompt and every token emitted (generate_step runs one ahead)."""
 
-    def __init__(self, model, prompt: list[int], temperature: float, top_p: float, seed: Optional[int],
-                 prefill_step: int, cache: list, cached: int = 0):
-        self.cache = cache
-        self.tokens = list(prompt)  # the prompt and every token emitted
-        self.started = False
-        self.last_cycle = (0, 0)
-        self.draft_s = 0.0
-        self.stats = None  # no joint cycles
-        self._gen = generate_step(
-            mx.array(prompt[cached:]), model, max_tokens=-1,
-            sampler=make_request_sampler(temperature, top_p, seed),
-            prefill_step_size=prefill_step, prompt_cache=cache,
-        )
+class BaselineBatch:
+    """The batch every BaselineRow belongs to; `step` runs once a round."""
+
+    def __init__(self, model, prefill_step: int, max_rows: int):
+        self.gen = BatchGenerator(model, max_tokens=NO_LIMIT, completion_batch_size=max_rows,
+                                  prefill_batch_size=max_rows, prefill_step_size=prefill_step)
+        self.prefill_step = prefill_step
+        self.rows: dict[int, BaselineRow] = {}  # by the batch's uid
+        self._to_prefill: dict[int, int] = {}  # prompt tokens each joining row has yet to feed, its last aside
+
+    def prefill_next(self) -> int:
+        """Prompt tokens the next step prefills (one chunk of each joining row's)."""
+        return sum(min(self.prefill_step, n) for n in self._to_prefill.values())
+
+    def join(self, row: "BaselineRow", prompt: list[int], cache: Optional[list], cached: int) -> int:
+        """Queues a request for prefill (of its prompt past the `cached` tokens its cache holds)."""
+        uid = self.gen.insert([prompt[cached:]], caches=[cache] if cache is not None else None,
+                              samplers=[row.sampler])[0]
+        self.rows[uid] = row
+        self._to_prefill[uid] = max(0, len(prompt) - cached - 1)
+        return uid
+
+    def step(self) -> None:
+        """One decode step of the rows in generation and one prefill chunk of those joining."""
+        if not self.rows:
+            return
+        self._to_prefill = {u: n - self.prefill_step for u, n in self._to_prefill.items() if n > self.prefill_step}
+        _, generated = self.gen.next()
+        for r in generated:
+            self.rows[r.uid].deliver(r.token)
+
+    def cache_of(self, uid: int) -> list:
+        return self.gen.extract_cache([uid])[uid][0]
+
+    def leave(self, uid: int) -> None:
+        self._to_prefill.pop(uid, None)
+        if self.rows.pop(uid, None) is not None:
+            self.gen.remove([uid])
+
+
+class BaselineRow:
+    """One baseline request in the batch. After each token its cache holds the prompt and every
+    token emitted (the batch runs one step ahead, as mlx-lm's generate_step does)."""
+
+    def __init__(self, batch: BaselineBatch, prompt: list[int], temperature: float, top_p: float,
+                 seed: Optional[int], cache: Optional[list] = None, cached: int = 0):
+        self.batch, self.tokens = batch, list(prompt)  # the prompt and every token emitted
+        self.sampler = make_request_sampler(temperature, top_p, seed)
+        self.started, self.stats, self.last_cycle, self.draft_s = False, None, (0, 0), 0.0
+        self._delivered: list[int] = []
+        self.uid = batch.join(self, prompt, cache, cached)
+
+    def deliver(self, token: int) -> None:
+        self._delivered.append(token)
 
     def state(self, request_id: str, tokens_left: int) -> Optional[RowState]:
-        return None
+        return None  # the scheduler only counts it
 
     def advance(self, k: int = 0, last: bool = False) -> list[int]:
-        token = next(self._gen)[0]  # the first call prefills
-        self.started = True
-        self.tokens.append(token)
-        return [token]
+        """The tokens the round's shared step gave it (none while its prompt is prefilled)."""
+        out, self._delivered = self._delivered, []
+        self.started = self.started or bool(out)
+        self.tokens += out
+        return out
 
     def commit(self, kept: int) -> None:
         pass
@@ -46,7 +91,7 @@ class BaselineDecoder:
         return {}
 
     def held(self) -> Held:
-        return Held(self.tokens, self.cache)
+        return Held(self.tokens, self.batch.cache_of(self.uid))
 
     def close(self) -> None:
-        self._gen.close()
+        self.batch.leave(self.uid)

@@ -19,14 +19,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
 from protocol import messages as m
-from worker import blas_threads
-from worker.baseline import BaselineDecoder
+from worker import blas_threads, memory
+from worker.baseline import BaselineBatch, BaselineRow
 from worker.joint.batch import joint_round
 from worker.joint.decoder import CycleStats, JointDecoder
 from worker.joint.draft import Drafter
 from worker.joint.sampling import SamplingParams
 from worker.loader import LoadedModel
-from worker.round import Row, joint_group, plan_round, run_round
+from worker.round import Group, Row, joint_group, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
 from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
@@ -34,7 +34,7 @@ from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
 
 @dataclass
 class EngineConfig:
-    max_active: int = 4  # requests decoded at once
+    max_active: int = 16  # requests decoded at once, in one batch
     max_waiting: int = 64  # requests queued behind them; the gateway bounds it first
     prefill_step: int = 512
     draft_budget: Optional[int] = None  # fixed tokens drafted per joint cycle; None: adaptive
@@ -42,6 +42,7 @@ class EngineConfig:
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     batch_verify: bool = True  # joint requests of a round share batched draft and verify forwards
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
+    kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
 
 
 class RequestError(Exception):
@@ -58,7 +59,7 @@ class _Request:
     req: m.GenerateRequest
     prompt: list[int]
     received: float
-    decoder: Optional["BaselineDecoder | JointDecoder"] = None
+    decoder: Optional["BaselineRow | JointDecoder"] = None
     detok: Optional[StreamingDetokenizer] = None
     stop: Optional[StopMatcher] = None
     tokens: list[int] = field(default_factory=list)
@@ -67,26 +68,16 @@ class _Request:
     finished: Optional[m.Finished] = None
     last_token_at: float = 0.0
     plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
+    reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
 
 
-@dataclass
 class _Totals:
-    requests: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # token timestamps
-    joint: CycleStats = field(default_factory=CycleStats)  # summed over released joint requests
+    """Counters since the worker started (the stats snapshot's)."""
 
-    def add_joint(self, s: CycleStats) -> None:
-        j = self.joint
-        j.cycles, j.drafted, j.accepted = j.cycles + s.cycles, j.drafted + s.drafted, j.accepted + s.accepted
-        j.rollbacks, j.recovery_s = j.rollbacks + s.rollbacks, j.recovery_s + s.recovery_s
-        for pos, (a, t) in enumerate(s.accepted_at):
-            if pos == len(j.accepted_at):
-                j.accepted_at.append([0, 0])
-            j.accepted_at[pos][0] += a
-            j.accepted_at[pos][1] += t
+    def __init__(self):
+        self.requests = self.finished = self.prompt_tokens = self.generated_tokens = 0
+        self.recent: deque = deque(maxlen=256)  # token timestamps
+        self.joint = CycleStats()  # summed over released joint requests
 
 
 def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
@@ -115,6 +106,12 @@ class Engine:
         self._active: list[_Request] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
+        self.baseline = BaselineBatch(lm.model, config.prefill_step, config.max_active)
+        self.cache_cost = memory.cache_cost(lm.model)
+        self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
+        self.kv_budget = config.kv_budget or memory.default_budget(
+            memory.weights_bytes(lm.model) + (memory.weights_bytes(draft.model) if draft else 0))
+        self._reserved = 0  # bytes the admitted requests' worst cases hold
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
 
@@ -136,6 +133,12 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
                 param="messages" if req.messages is not None else "prompt",
             )
+        need = self._worst_case(req, prompt)
+        if need > self.kv_budget:
+            raise RequestError(
+                "kv_budget_exceeded",
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({req.max_tokens}) need up to {need} bytes of "
+                f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
@@ -200,7 +203,8 @@ class Engine:
         rows = [Row(r.id, r.decoder, self._tokens_left(r)) for r in self._active]
         sr = plan_round(rows, self.scheduler, self.config.batch_verify)
         lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
-        blas_threads.use(self._params * sum(len(r.prompt) for r in self._active if not r.decoder.started)
+        joint_starts = [r for r in self._active if r.req.mode == "joint" and not r.decoder.started]
+        blas_threads.use(self._params * (self.baseline.prefill_next() + sum(len(r.prompt) for r in joint_starts))
                          + self._draft_params * sum(len(r.prompt) for r in lacking))  # a draft's first cycle prefills it
 
         def emit(row: Row, tokens: list[int]) -> int:
@@ -211,12 +215,19 @@ class Engine:
                     break
             return kept
 
+        baseline = Group([r.id for r in self._active if r.req.mode != "joint"], self._baseline_cycles)
         report = run_round(sr, emit, lambda row, e: self._fail(by_id[row.request_id], e, events),
-                           joint_group(sr, joint_round))
+                           [baseline] + joint_group(sr, joint_round))
         for r in [r for r in self._active if r.done]:
             r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
             self._release(r)
         self.scheduler.observe(report)
+
+    def _baseline_cycles(self, rows: list[BaselineRow], budgets: list[int]) -> list[list[int]]:
+        """One step of the baseline batch: a token for each row in generation, a prefill chunk
+        of each joining."""
+        self.baseline.step()
+        return [row.advance() for row in rows]
 
     def _tokens_left(self, r: _Request) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
@@ -244,12 +255,24 @@ class Engine:
         plain = self.config.draft_budget == 0 or (self.config.draft_budget is None and not self.scheduler.drafting)
         return plain and not (self.config.batch_verify and others)
 
+    def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
+        """Bytes a request's caches may take: its prompt and max_tokens, within the context."""
+        tokens = min(len(prompt) + req.max_tokens, self.lm.context_limit)
+        cost = self.cache_cost + self.draft_cost if req.mode == "joint" else self.cache_cost
+        return cost.worst_case(tokens)
+
     def _admit(self, events: list) -> None:
+        """Admits waiting requests in order while a row is free and the head's worst case fits."""
         while len(self._active) < self.config.max_active:
             with self._lock:
                 if not self._waiting:
                     return
-                r = self._waiting.popleft()
+                r = self._waiting[0]
+                r.reserved = self._worst_case(r.req, r.prompt)
+                if self._reserved + r.reserved > self.kv_budget:
+                    return  # it waits for the admitted to release theirs
+                self._waiting.popleft()
+            self._reserved += r.reserved
             r.decoder = self._decoder(r)
             r.detok = StreamingDetokenizer(self.lm.tokenizer, r.prompt)
             r.stop = StopMatcher(r.req.stop)
@@ -257,7 +280,7 @@ class Engine:
             self._active.append(r)
             events.append(m.Started(r.id, len(r.prompt)))
 
-    def _decoder(self, r: _Request) -> "BaselineDecoder | JointDecoder":
+    def _decoder(self, r: _Request) -> "BaselineRow | JointDecoder":
         req = r.req
         # with reuse: caches that hold a prefix of the prompt (restored, then prefilled to its boundaries)
         s = self.reuse.start(r.plan, r.prompt, req.mode == "joint") if r.plan else Start()
@@ -268,8 +291,7 @@ class Engine:
                                     s.draft_cache, r.prompt[: s.draft_pos]))
             return JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
                                 self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first())
-        return BaselineDecoder(self.lm.model, r.prompt, req.temperature, req.top_p, req.seed,
-                               self.config.prefill_step, s.cache, s.pos)
+        return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed, s.cache, s.pos)
 
     def _on_token(self, r: _Request, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""
@@ -309,10 +331,12 @@ class Engine:
 
     def _release(self, r: _Request) -> None:
         self.scheduler.forget(r.id)
+        self._reserved -= r.reserved
+        r.reserved = 0
         if r in self._active:
             self._active.remove(r)
         if r.decoder is not None and r.decoder.stats is not None:
-            self.totals.add_joint(r.decoder.stats)
+            self.totals.joint.add(r.decoder.stats)
         if r.plan is not None and r.finished and r.finished.finish_reason in ("stop", "length") and r.decoder is not None:
             self.reuse.keep_generation(r.plan, r.decoder.held())  # of the tokens the target cache consumed
         if r.decoder is not None:

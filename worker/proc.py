@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import zmq
 
@@ -95,16 +95,23 @@ class WorkerProc:
                         self.origins.pop(ev.request_id, None)
             faults.after_step()
 
-    def _jobs_loop(self) -> None:
-        sock, dec = self._socket(zmq.PULL, runtime.JOBS), codec.job_decoder()
+    def _received(self, name: str, dec: codec.Decoder, what: str) -> Iterator:
+        """The messages that arrive on a PULL socket until the worker stops; undecodable ones are
+        logged and dropped."""
+        sock = self._socket(zmq.PULL, name)
         while not self.stopping.is_set():
             if not sock.poll(POLL_MS):
                 continue
             try:
-                job = dec.decode(sock.recv())
+                msg = dec.decode(sock.recv())
             except codec.DecodeError as e:
-                log.error("dropped an undecodable job: %s", e)
+                log.error("dropped an undecodable %s: %s", what, e)
                 continue
+            yield msg
+        sock.close()
+
+    def _jobs_loop(self) -> None:
+        for job in self._received(runtime.JOBS, codec.job_decoder(), "job"):
             faults.on_job()
             try:
                 n = self.engine.submit(job.request_id, job.request)
@@ -115,18 +122,9 @@ class WorkerProc:
                 event = m.Error(job.request_id, e.code, e.message, e.status, e.param)
                 log.info("[%s] refused: %s", job.request_id, e.code)
             self.outbox.put(m.EventBatch(self.pid, [event]))
-        sock.close()
 
     def _control_loop(self) -> None:
-        sock, dec = self._socket(zmq.PULL, runtime.CONTROL), codec.control_decoder()
-        while not self.stopping.is_set():
-            if not sock.poll(POLL_MS):
-                continue
-            try:
-                msg = dec.decode(sock.recv())
-            except codec.DecodeError as e:
-                log.error("dropped an undecodable control message: %s", e)
-                continue
+        for msg in self._received(runtime.CONTROL, codec.control_decoder(), "control message"):
             if isinstance(msg, m.DropOrphans):
                 for rid, gateway in list(self.origins.items()):
                     if gateway != msg.gateway_pid:
@@ -135,7 +133,6 @@ class WorkerProc:
                 continue
             log.info("[%s] cancel", msg.request_id)
             self.engine.cancel(msg.request_id)
-        sock.close()
 
     def _events_loop(self) -> None:
         sock = self._socket(zmq.PUSH, runtime.EVENTS)
@@ -158,7 +155,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verity-worker")
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--model", default=EMBEDDED)
-    p.add_argument("--max-active", type=int, default=4)
+    p.add_argument("--max-active", type=int, default=16)
+    p.add_argument("--kv-budget", type=int, default=None)
     p.add_argument("--queue-size", type=int, default=64)
     p.add_argument("--draft", default=None)
     p.add_argument("--draft-budget", type=int, default=None)
@@ -185,7 +183,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         install_recording(draft.model)
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
-                          decision_log=args.decision_log)
+                          decision_log=args.decision_log, kv_budget=args.kv_budget)
     engine = Engine(lm, config, draft)
     engine.warmup()
     if args.prefix_cache:

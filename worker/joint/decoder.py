@@ -41,6 +41,16 @@ class CycleStats:
     recovery_s: float = 0.0
     accepted_at: list = field(default_factory=list)  # per draft position: [accepted, proposed]
 
+    def add(self, s: "CycleStats") -> None:
+        """Adds another request's cycles (the worker's totals; recovery time, not draft or verify)."""
+        self.cycles, self.drafted, self.accepted = self.cycles + s.cycles, self.drafted + s.drafted, self.accepted + s.accepted
+        self.rollbacks, self.recovery_s = self.rollbacks + s.rollbacks, self.recovery_s + s.recovery_s
+        while len(self.accepted_at) < len(s.accepted_at):
+            self.accepted_at.append([0, 0])
+        for mine, (a, t) in zip(self.accepted_at, s.accepted_at):
+            mine[0] += a
+            mine[1] += t
+
     def record_acceptance(self, k: int, n: int) -> None:
         while len(self.accepted_at) < k:
             self.accepted_at.append([0, 0])

@@ -1,0 +1,60 @@
+"""Admission by memory: what a request's caches may take at most, and the budget they share.
+
+A request is admitted to the batch only when its worst case (prompt + max_tokens, each token's
+attention KV, plus the recurrent state it holds whatever its length) fits in what the admitted
+ones leave; the rest wait in the FIFO. Prefix-reuse snapshots have their own budget.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    per_token: int  # bytes of attention KV one token adds
+    fixed: int  # bytes of recurrent state a request holds whatever its length
+
+    def worst_case(self, tokens: int) -> int:
+        return self.per_token * tokens + self.fixed
+
+    def __add__(self, other: "CacheCost") -> "CacheCost":
+        return CacheCost(self.per_token + other.per_token, self.fixed + other.fixed)
+
+
+def cache_cost(model) -> CacheCost:
+    """Measured on a one-token forward of a fresh cache."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    per_token = fixed = 0
+    for c in cache:
+        if isinstance(c, KVCache) and c.keys is not None:
+            per_token += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size
+        elif isinstance(c, ArraysCache):
+            fixed += sum(a.nbytes for a in c.cache if a is not None)
+    return CacheCost(per_token, fixed)
+
+
+def weights_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def default_budget(weights: int) -> int:
+    """Bytes the admitted requests' caches may take: the GPU's memory (on Apple silicon its
+    recommended working set) less the weights; on the CPU, CPU_SHARE of the machine's memory less
+    the weights; at least 1 GiB."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:  # Metal
+        total = int(info["max_recommended_working_set_size"])
+    elif "total_memory" in info and mx.default_device() == mx.gpu:  # CUDA
+        total = int(info["total_memory"])
+    else:
+        total = int(CPU_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return max(1 << 30, total - weights)
