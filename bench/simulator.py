@@ -210,10 +210,10 @@ class DecisionClock:
 def compare(sc: Scenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
     """Tokens/s of each fixed k and of adaptive, each a fresh scheduler meeting the same draws."""
     out = {}
-    S.time = DecisionClock(sc.machine.decide_s)
+    decisions = DecisionClock(sc.machine.decide_s)
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
         rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), SimClock()
-        sched = S.Scheduler(fixed=fixed)
+        sched = S.Scheduler(fixed=fixed, clock=decisions.perf_counter)
         simulate(sched, sc, sc.warm_runs, rng, spells, clock)
         tokens, seconds = simulate(sched, sc, sc.runs, rng, spells, clock)
         out[name] = tokens / seconds

@@ -1,6 +1,6 @@
 """The web UI in headless Chromium (Debian's /usr/bin/chromium, driven by Playwright) against a
 real stack: the key prompt, a streamed joint answer with its metrics, the kept conversation,
-and the allocation view checked against worker/scheduler.py. Screenshots go to artifacts/.
+and the allocation view checked against worker/scheduler/allocation.py. Screenshots go to artifacts/.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from joint_fixtures import (DRAFTS, PAIRS, PROMPTS, baseline_greedy, first_diver
                             load_pair, make_drafter, prompt_ids, top2_gap)
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig
+from worker.round import Cell
 from worker.loader import PairingError, check_tokenizers_agree
 from worker.state import checkpoint as st
 from worker.scheduler import PIPELINE_WARM_ROUNDS
@@ -309,7 +310,7 @@ def test_draft_catching_up_after_sitting_out_is_not_a_cost_sample(pairs):
     assert reasons.count("plain pipeline start") == 2  # the sat-out rounds' first, and the last cycle's:
     assert reasons.count("plain pipeline warm-up") == PIPELINE_WARM_ROUNDS - 1  # with one token left it has no room to draft
     counts = eng.scheduler.cost.counts()
-    assert counts["1,1,1"] >= 3 and counts["1,0,0"] == CATCH_UP_LAG + 2 - PIPELINE_WARM_ROUNDS and len(out) == 24
+    assert counts[Cell(1, 1, 1)] >= 3 and counts[Cell(1, 0, 0)] == CATCH_UP_LAG + 2 - PIPELINE_WARM_ROUNDS and len(out) == 24
 
 
 def test_a_requests_last_plain_round_is_not_a_cost_sample(pairs):
@@ -326,7 +327,7 @@ def test_a_requests_last_plain_round_is_not_a_cost_sample(pairs):
     reasons = [r for *_, r in eng.scheduler.cost.set_apart]
     assert reasons.count("last plain round") == 1
     assert "plain pipeline warm-up" not in reasons  # it never drafted: its first rounds are no stop's cost
-    assert eng.scheduler.cost.counts()["1,0,0"] == 12 - 1 - reasons.count("first plain rounds") - 1  # less the prefill's and the last
+    assert eng.scheduler.cost.counts()[Cell(1, 0, 0)] == 12 - 1 - reasons.count("first plain rounds") - 1  # less the prefill's and the last
 
 
 @pytest.mark.parametrize("recovery", ["fast", "replay"])

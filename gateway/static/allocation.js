@@ -1,4 +1,4 @@
-// The budget allocation view. The three functions are worker/scheduler.py's, line for line:
+// The budget allocation view. The three functions are worker/scheduler/allocation.py's, line for line:
 // same operations in the same order, so the same doubles and the same ranking.
 
 export const PRESET = [[0.95, 0.9, 0.85], [0.8, 0.6, 0.4], [0.6, 0.5, 0.3]]; // docs/design.md's worked example

@@ -1,6 +1,6 @@
 """The few large kernels of a Qwen3.5 draft's decode step (MLX's CUDA backend), and their ops.
 
-On the H200 a kernel launch costs the host 4-12 µs through MLX (docs/design.md, "Draft kernels": a 1x64 matmul
+On a GPU a kernel launch costs the host 4-12 µs through MLX (docs/design.md, "Draft kernels": a 1x64 matmul
 11.6 µs, an elementwise op 4.3, a custom kernel 6.4), and the 0.75 B draft's step launched ~600
 of them: 5-7 ms of dispatch for 1.5 GB of weights, as dear as a third of the 9 B step. These
 kernels do a sublayer's work in one launch each:

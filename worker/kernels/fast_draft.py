@@ -1,6 +1,6 @@
 """A Qwen3.5 draft's forward in a few large kernels a layer (worker/kernels/draft.py).
 
-mlx-lm's forward of the 0.75 B draft launches ~600 kernels a token; on the H200 their dispatch,
+mlx-lm's forward of the 0.75 B draft launches ~600 kernels a token; on a GPU their dispatch,
 not the 1.5 GB of weights, sets the step's cost. Here a Gated-DeltaNet layer is five launches:
 the in-projection on the normed input (its four projections stacked), `gdn_step`, the
 out-projection plus the residual, the MLP's gate and up projections with swiglu (stacked) on the

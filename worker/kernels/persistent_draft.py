@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from worker.kernels import draft as dk, gdn
 
-BLOCKS = 128  # at most the SMs of an H100 / H200 (132): every block resident, as the barrier needs
+BLOCKS = 128  # at most the SMs of a Hopper GPU (132): every block resident, as the barrier needs
 WARPS = {1: 16}  # warps a block by T (16 at T = 2 asks for more registers than an SM has)
 MAX_S = 4096  # longest attention window (its scores sit in shared memory)
 GEMV_UNROLL = 4  # row chunks a warp's loads run ahead by

@@ -1,0 +1,270 @@
+"""The scheduler the engine runs: each round's draft lengths, adaptive or fixed, from the
+acceptance estimates, the cost model and the decision rule, with the log every decision goes to."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+from worker.round import PIPELINE_WARM_ROUNDS, Cell, RoundInput, RoundPlan, RoundReport
+from worker.scheduler.acceptance import LONG_DECAY, PRIOR_WEIGHT, Acceptance
+from worker.scheduler.cost import (DISCARD_REASONS, EXPLORE_MARGIN, FEW_OBSERVED, FEW_PLAIN_GAP, FREE_SIT_OUT,
+                                   HOPELESS_EVERY, MIN_SAMPLES, PIPELINE_REASONS, PLAIN_GAP, PROBE_EVERY, PROBE_SHARE,
+                                   TAKEN_REASONS, UNCERTAIN_SHARE, CostModel)
+from worker.scheduler.decide import (POSITIONS, Decision, _best, _best_drafting, decide, plain_probe_interval,
+                                     probe_interval)
+from worker.scheduler.log import DecisionLog, cells_to_log
+from worker.scheduler.table import estimate
+
+DEFAULT_B_MAX = 16  # drafted tokens in one round, all requests together
+DECISION_SHARE = 0.01  # a decision may cost this share of the rounds it governs ...
+MAX_HOLD = 16  # ... so where rounds take a few ms, one decision governs up to this many rounds
+
+
+class Scheduler:
+    """Chooses each round's draft lengths: adaptive (the rule above) or fixed per request."""
+
+    def __init__(self, fixed: int | None = None, b_max: int = DEFAULT_B_MAX, log_path: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        """`clock`: what a decision's own time is read with (the simulator's stands still)."""
+        self.fixed, self.b_max, self.clock = fixed, b_max, clock
+        self.cost = CostModel()
+        self.acceptance: dict[str, Acceptance] = {}
+        # every request's cycles: each request's prior. Only here does a change forget the deeper
+        # positions too: each request's own false alarms (two rejections at acceptance 0.9) then reset its
+        # deeper positions, and acceptance 0.9 ×4 drafted unevenly ((3, 4, 3, 4)), 0.91 of k = 4
+        # it decays by rounds, not by cycles: with 4 requests, decayed per cycle, it remembered ~5
+        # rounds, and its position-1 reading at acceptance 0.3 wandered 0.14-0.33 across the point where
+        # k = 1 pays (0.21; realised 0.27), which decided the row's near-tie by noise
+        self.overall = Acceptance(POSITIONS, forget_deeper=True, per_round=True)
+        self.longrun = Acceptance(POSITIONS, LONG_DECAY, detect_change=False)  # the same over the long run: overall's prior
+        self.rounds = 0
+        self.rounds_without_draft = 0
+        self._round: tuple[int, int, int] | None = None
+        self._log = DecisionLog(log_path) if log_path else None
+        self._held: tuple[list[str], list[int]] | None = None  # the last decision: (requests, lengths)
+        self._hold_left = 0  # rounds it still governs
+        self._probe_every = PROBE_EVERY
+        self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
+        self._drafting_best: dict[int, dict | None] = {}  # by N: the last decision's best drafting candidate (what a probe drafts)
+        self._drafting = False  # see `drafting`
+        self._probing = False  # this round is a probe
+        self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
+        self._explorable = True  # the held decision leads plain by less than EXPLORE_MARGIN (see `plan`)
+        self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
+
+    def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
+             room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
+             pipelined: bool = False, feeds: Sequence[int] | None = None) -> list[int]:
+        """Draft length for each joint request of this round (n_requests counts baseline ones);
+        `behind`: whose draft would first have to catch up (see `decide`); `room`: the most
+        drafts each request's cycle can still use (its remaining tokens less the one a cycle adds);
+        `ahead`: whose plain rounds computed a forward ahead (drafting throws it away); `pipelined`:
+        plain rounds of these requests would be pipelined (unbatched), so stopping restarts that;
+        `feeds`: the tokens each one's draft would feed apart before drafting (its catch-up, priced
+        by them: `CostModel.feed_seconds`; None: at the median catch-up)."""
+        self.cost.commit()  # the previous round, now known to be complete
+        self.rounds += 1
+        caps = list(room) if room is not None else [None] * len(joint_ids)
+        if not joint_ids:  # baseline requests only: nothing to decide, the round is timed all the same
+            lengths: list[int] = []
+        elif self.fixed is not None:
+            lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
+        elif self._held and self._held[0] == joint_ids and self._hold_left > 0 and not self._probe_hit \
+                and (self.rounds_without_draft < self._probe_every or any(self._held[1])) \
+                and not (any(self._held[1]) and self._explorable and self._plain_due(n_requests)):
+            self._hold_left -= 1
+            lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
+            if self._log:
+                self._log.record({"round": self.rounds, "requests": joint_ids, "held": True, "allocation": lengths})
+        else:
+            d, probe, decide_s, margin = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined, feeds)
+            lengths = d.allocation
+            if any(c is None or c > 0 for c in caps):  # a request's last round has no room to draft
+                self._drafting = bool(d.budget) and not probe
+            self._probe_hit = False
+            self._probing = bool(d.budget) and probe and _best(d.candidates).b == 0
+            self._held = (list(joint_ids), lengths)
+            self._hold_left = 0 if probe else self._hold_rounds(d, decide_s)
+            # a due plain exploration ends the hold only where it would be taken (a lead under EXPLORE_MARGIN):
+            # at acceptance 0.95 on a GPU, k = 8 leading 2×, every round decided again once plain rounds were due
+            best, plain = _best(d.candidates), d.candidates[0]
+            self._explorable = margin is None or best.objective < margin * plain.objective
+            if d.explored and pipelined:  # the first plain rounds restart the pipeline: measure the next
+                self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
+        drafted = sum(lengths)
+        self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
+        if self.fixed is None:
+            self._fade(joint_ids, lengths)
+        self._round = (n_requests, drafted, max(lengths, default=0))
+        return lengths
+
+    def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
+                caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False,
+                feeds: Sequence[int] | None = None) -> tuple[Decision, bool, float, float | None]:
+        """The rule's decision, logged, with whether it probes, what deciding took (logging aside)
+        and the exploration margin it applied."""
+        t0 = self.clock()
+        shared = self.shared_rates()
+        rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
+        table, counts = self.cost.table_and_counts()
+        catch_up = probe_catch_up = self.cost.catch_up_seconds(n_requests)
+        if feeds is not None and catch_up is not None:  # priced by the tokens each draft would feed:
+            # now, where drafting starts now, and, for a probe, at least what one after a sit-out feeds (FREE_SIT_OUT + 1 rounds: 4 tokens)
+            catch_up = sum(self.cost.feed_seconds(n_requests, f) for f in feeds)
+            probe_catch_up = sum(self.cost.feed_seconds(n_requests, max(f, FREE_SIT_OUT + 2)) for f in feeds)
+        discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
+        restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
+        self._probe_every = probe_interval(table, n_requests, counts, probe_catch_up, [r[0] for r in rates if r],
+                                           discard, any(behind or []), restart, self._drafting_best.get(n_requests),
+                                           self.cost.draft_step(n_requests))
+        if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
+            # a guess from a few cycles (3 early rejections at acceptance 0.6 read 0.14-0.20), priced by that
+            # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart
+            # after each, they cost acceptance 0.3 on one request 10%: until the draft is known, 5× as often
+            self._probe_every = max(PROBE_EVERY, math.ceil(self._probe_every * PROBE_SHARE / UNCERTAIN_SHARE))
+        # a probe whose draft was accepted is followed by another: one observation among SHARED_WEIGHT
+        # moves nothing, and probes far apart never fill the short memory that sees a change (acceptance 0.9
+        # → 0.2 → 0.9, one request: probes every ~48 plain rounds, each hit lost, plain through the
+        # acceptance 0.9 thirds; 0.89 of k = 1). Consecutive hits do: three forget the older rate
+        probe = self.rounds_without_draft >= self._probe_every or self._probe_hit
+        behind = list(behind or [False] * len(joint_ids))
+        ahead = list(ahead or [False] * len(joint_ids))
+        switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
+        behind = [b or a for b, a in zip(behind, ahead)]
+        stop_s = restart if not any(ahead) else 0.0
+        plain_rounds = counts.get(Cell(n_requests, 0, 0), 0)
+        explore = self._plain_due(n_requests, plain_rounds)
+        # with fewer than MIN_SAMPLES plain rounds the lead itself is a guess: explore whatever it is (at acceptance 0.6
+        # on one request two plain rounds in 370, the plain round priced as k = 1's, k = 3 led 1.9× and nothing
+        # measured plain again: 0.80 of k = 1)
+        # ... but not in a batch's tail (N under the last PLAIN_GAP rounds' most): its few rounds would all be
+        # explorations (acceptance 0.9 ×4: tails of 1-3 requests decoded plain against leads of 1.26-1.50)
+        if n_requests >= self._peak[0] or self.rounds - self._peak[1] > PLAIN_GAP:
+            self._peak = (n_requests, self.rounds)
+        margin = EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES or n_requests < self._peak[0] else None
+        draft_step = self.cost.draft_step(n_requests)
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin)
+        self._drafting_best[n_requests] = _best_drafting(d.candidates)
+        if d.budget:
+            self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
+        decide_s = self.clock() - t0
+        if self._log:
+            self._log.record({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
+                              "b_max": self.b_max, "probe": probe, "acceptance": rates,
+                              "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
+                              "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
+                              "explore_margin": margin, "draft_step_s": draft_step, **d.to_log()})
+        return d, probe, decide_s, margin
+
+    def _plain_due(self, n: int, plain_rounds: int | None = None) -> bool:
+        """Plain rounds of n requests are due to be measured again (see `plain_probe_interval`);
+        `plain_rounds`: the plain cell's count (None: its rounds kept, as a hold checks it)."""
+        if plain_rounds is None:
+            plain_rounds = len(self.cost.cells.get((n, 0, 0), ()))
+        gap = self._plain_every.get(n, PLAIN_GAP) if plain_rounds >= MIN_SAMPLES else FEW_PLAIN_GAP
+        return self.cost.rounds - self.cost.newest((n, 0, 0)) >= gap
+
+    def _stop_seconds(self, table: dict[Cell, float], counts: dict[Cell, int], n: int) -> float:
+        """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
+        start's median and PIPELINE_WARM_ROUNDS - 1 warm-up rounds' median, less a plain round each.
+        The start computes the next round's forward too; where drafting again takes that forward's
+        token (JointDecoder.take_ahead), it gives back a plain round less the wait for it."""
+        plain = estimate(table, n, 0, 0, counts)
+        if plain is None:
+            return 0.0
+        start, warm, taken = (self.cost.catch_up_seconds(n, (why,)) for why in PIPELINE_REASONS + TAKEN_REASONS)
+        back = plain - taken if taken is not None else 0.0
+        return (max(0.0, start - plain - back) if start is not None else 0.0) \
+            + (PIPELINE_WARM_ROUNDS - 1) * (max(0.0, warm - plain) if warm is not None else 0.0)
+
+    @staticmethod
+    def _hold_rounds(d: Decision, decide_s: float) -> int:
+        """Further rounds a decision governs: none where a round costs much more than deciding
+        (the embedded model's 50 ms), up to MAX_HOLD where it does not (a tiny model's 2 ms round
+        against 0.1-0.2 ms of Python), judged by the chosen round's estimated cost. A probe is one
+        round; a new or finished request, a due probe or a due plain exploration that would be
+        taken (drafting leads by less than EXPLORE_MARGIN) ends a hold; room caps apply every round."""
+        cost = next(c.cost for c in d.candidates if c.b == d.budget)
+        return min(MAX_HOLD, int(decide_s / (DECISION_SHARE * cost)))
+
+    def shared_rates(self) -> list[float]:
+        """The server-wide estimate, on the long-run one as its prior (each request's prior)."""
+        return self.overall.rates(self.longrun.rates(), PRIOR_WEIGHT)
+
+    def _fade(self, joint_ids: list[str], lengths: list[int]) -> None:
+        for rid, k in zip(joint_ids, lengths):
+            if not k:
+                self._acceptance(rid).fade()
+        if joint_ids and (self.overall.per_round or not any(lengths)):
+            # over plain rounds the server-wide estimate fades to the long-run one, worth FADE_WEIGHT
+            # cycles, not to nothing: faded to nothing, the next probe's one cycle was most of it, a
+            # miss took it to 2/3 of the long-run rate, and the next probes came as rarely as that
+            # priced them (acceptance 0.3 on one request read 0.09-0.20 for a whole run and stayed plain
+            # where k = 1 paid 11%: 0.90 of k = 1)
+            plain = not any(lengths)
+            self.overall.fade(recent=plain, toward=self.longrun.rates() if plain else None)
+
+    def observe_cycle(self, request_id: str, k: int, n: int) -> None:
+        if self._probing and n:
+            self._probe_hit = True
+        if k:
+            self._acceptance(request_id).observe(k, n)
+            self.overall.observe(k, n)
+            self.longrun.observe(k, n)
+
+    @property
+    def drafting(self) -> bool:
+        """The last decision with room to draft chose to (a probe aside; none made yet: False)."""
+        return self._drafting
+
+    def flush_log(self) -> None:
+        """Writes the decision log's held-back records (the engine calls it when idle)."""
+        if self._log:
+            self._log.flush()
+
+    def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None,
+                      draft_s: float = 0.0) -> None:
+        """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
+        catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds, or (seconds,
+        tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
+        if self._round is None:
+            return
+        if self._log:
+            self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
+                          "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
+        for why, paid in (apart or {}).items():
+            paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
+            self.cost.set_aside(self._round, paid_s, why, tuple(fed))
+        if complete:
+            self.cost.observe(self._round, seconds, draft_s)
+        else:
+            self.cost.set_aside(self._round, seconds, reason)
+        self._round = None
+
+    def interrupt(self, reason: str) -> None:
+        """The last observed round turned out not to be a complete one."""
+        self.cost.interrupt(reason)
+
+    def _acceptance(self, request_id: str) -> Acceptance:
+        if request_id not in self.acceptance:
+            self.acceptance[request_id] = Acceptance(POSITIONS)
+        return self.acceptance[request_id]
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+    def plan_round(self, inp: RoundInput) -> RoundPlan:
+        """The round's draft length for each joint row (worker/round.py)."""
+        rows = inp.rows
+        ks = self.plan([r.request_id for r in rows], inp.n_requests, [r.behind for r in rows], [r.room for r in rows],
+                       [r.ahead for r in rows], pipelined=inp.pipelined, feeds=[r.feed for r in rows])
+        return RoundPlan({r.request_id: k for r, k in zip(rows, ks)})
+
+    def observe(self, report: RoundReport) -> None:
+        """A round as it ran: each cycle's acceptance, then the round's time."""
+        for c in report.cycles:
+            self.observe_cycle(c.request_id, c.k, c.accepted)
+        apart = {why: (p.seconds, p.tokens, p.pieces) for why, p in report.apart.items()}
+        self.observe_round(report.seconds, report.complete, report.reason or "", apart, report.draft_s)

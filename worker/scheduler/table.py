@@ -1,0 +1,118 @@
+"""Reading a logged cost table: a cell's cost from its own rounds, its neighbours' or another
+N's (interpolated, bounded by cells that do more work); docs/scheduler.md, "The cost table"."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from worker.round import Cell
+from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates, _median
+
+def _cells(table: dict[Cell, float], n: int) -> list[tuple[int, int, float]]:
+    out = []
+    for key, v in table.items():
+        kn, kb, kd = key
+        if kn == n:
+            out.append((kb, kd, v))
+    return out
+
+
+def _along(points: dict[int, float], x: int) -> float:
+    """Linear between the nearest measured neighbours; the nearest one outside their range."""
+    below = [p for p in points if p <= x]
+    above = [p for p in points if p >= x]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return points[lo] if lo == hi else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return points[min(above)] if above else points[max(below)]
+
+
+def _from_other_n(table: dict[Cell, float], n: int, d: int) -> float | None:
+    """Depth d as measured (or interpolated between measured depths) with the nearest other number
+    of requests, scaled by the ratio of the two plain rounds: the tail of a batch (N falling as
+    requests end) need not explore anew."""
+    plain = table.get(Cell(n, 0, 0))
+    if plain is None:
+        return None
+    others = sorted({k.n for k in table} - {n}, key=lambda x: (abs(x - n), x))
+    for other in others:
+        base = table.get(Cell(other, 0, 0))
+        by_depth: dict[int, float] = {}
+        for _, kd, v in _cells(table, other):
+            by_depth[kd] = min(v, by_depth.get(kd, v))
+        if base and max(by_depth) >= d:
+            return _along(by_depth, d) * plain / base
+    return None
+
+
+def _stand_in(table: dict[Cell, float], n: int) -> int | None:
+    """For N requests of which nothing is measured, the nearest other N whose plain round is: its
+    rounds of the same drafts a request price this N's (see `_interpolate`). A batch's tail met
+    each smaller N unmeasured and decoded plain, and one request's plain rounds, pipelined, are
+    set apart for PIPELINE_WARM_ROUNDS after a start: a short tail never measured them, and every
+    tail of acceptance 0.9 ×4 ran plain (tails of 36 rounds against k = 4's 6, 0.87 of k = 4)."""
+    if _cells(table, n):
+        return None
+    plain = [k.n for k in table if (k.b, k.d) == (0, 0)]
+    return min(plain, key=lambda x: (abs(x - n), x), default=None)
+
+
+def _reach(table: dict[Cell, float], n: int) -> int:
+    """The deepest depth a decision may choose: one past the deepest measured with these N
+    requests, or the deepest measured with another N when both plain rounds are known."""
+    if (other := _stand_in(table, n)) is not None:
+        return _reach(table, other)
+    own = max((kd for _, kd, _ in _cells(table, n)), default=-1) + 1
+    if Cell(n, 0, 0) not in table:
+        return own
+    shared = [k.d for k in table if Cell(k.n, 0, 0) in table]
+    return max([own] + shared)
+
+
+def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
+             draft_step: float | None = None) -> float | None:
+    """Cost of a round from a logged table (see CostModel); None when nothing of this N is known.
+
+    A round never costs more than a measured one that does more work (at least as many tokens
+    and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
+    MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
+    neighbour's load, a first allocation) must not price a cell out of ever being measured again.
+    `draft_step`: the measured drafting seconds a depth (see `_interpolate`).
+    """
+    cost = _interpolate(table, n, b, d, draft_step)
+    key = Cell(n, b, d)
+    if cost is not None and counts is not None and key in table and counts.get(key, 0) < MIN_SAMPLES:
+        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step)
+        cost = cost if others is None else min(cost, others)
+    bounds = [v for k, v in table.items() if _dominates(k, n, b, d) and (counts is None or counts.get(k, 0) >= MIN_SAMPLES)]
+    return min([cost] + bounds) if cost is not None else None
+
+
+def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: float | None = None) -> float | None:
+    exact = table.get(Cell(n, b, d))
+    if exact is not None:
+        return exact
+    cells = _cells(table, n)
+    if not cells:
+        other = _stand_in(table, n)  # its plain round stands in for this N's until one is measured:
+        # the ratios between candidates, which decide, carry over (an N's rounds cost about in proportion)
+        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step)
+    same_d = {kb: v for kb, kd, v in cells if kd == d}
+    if same_d:
+        return _along(same_d, b)
+    by_depth: dict[int, float] = {}
+    for _, kd, v in cells:
+        by_depth[kd] = min(v, by_depth.get(kd, v))
+    deepest = max(by_depth)
+    if d < deepest:
+        return _along(by_depth, d)
+    if d > deepest and (scaled := _from_other_n(table, n, d)) is not None:
+        return scaled
+    depths = sorted(by_depth)
+    if sum(x >= 1 for x in depths) >= 2:  # the cheapest step per depth measured so far
+        slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
+    else:
+        slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
+    if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more
+        slope = min(slope, draft_step)
+    return by_depth[deepest] + slope * (d - deepest)
