@@ -8,7 +8,7 @@ the round's Decoder (worker/round.py): the shared step, run once a round, hands 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from mlx_lm.generate import BatchGenerator
 
@@ -34,9 +34,12 @@ class BaselineBatch:
         return sum(min(self.prefill_step, n) for n in self._to_prefill.values())
 
     def join(self, row: "BaselineRow", prompt: list[int], cache: Optional[list], cached: int) -> int:
-        """Queues a request for prefill (of its prompt past the `cached` tokens its cache holds)."""
-        uid = self.gen.insert([prompt[cached:]], caches=[cache] if cache is not None else None,
-                              samplers=[row.sampler])[0]
+        """Queues a request for prefill (of its prompt past the `cached` tokens its cache holds),
+        in segments that end at its boundaries."""
+        cuts = [cached] + row.boundaries + [len(prompt)]
+        segments = [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
+        uid = self.gen.insert_segments([segments], caches=[cache] if cache is not None else None,
+                                       samplers=[row.sampler])[0]
         self.rows[uid] = row
         self._to_prefill[uid] = max(0, len(prompt) - cached - 1)
         return uid
@@ -46,7 +49,10 @@ class BaselineBatch:
         if not self.rows:
             return
         self._to_prefill = {u: n - self.prefill_step for u, n in self._to_prefill.items() if n > self.prefill_step}
-        _, generated = self.gen.next()
+        prefilled, generated = self.gen.next()
+        for p in prefilled:
+            if p.end_of_segment and not p.end_of_prompt and p.uid in self.rows:
+                self.rows[p.uid].boundary_reached(lambda uid=p.uid: self.cache_of(uid))
         for r in generated:
             self.rows[r.uid].deliver(r.token)
 
@@ -64,12 +70,22 @@ class BaselineRow:
     token emitted (the batch runs one step ahead, as mlx-lm's generate_step does)."""
 
     def __init__(self, batch: BaselineBatch, prompt: list[int], temperature: float, top_p: float,
-                 seed: Optional[int], cache: Optional[list] = None, cached: int = 0):
+                 seed: Optional[int], cache: Optional[list] = None, cached: int = 0,
+                 boundaries: Sequence[int] = (), on_boundary: Optional[Callable[[int, list], None]] = None):
+        """`boundaries`: prompt lengths past `cached` where `on_boundary(length, cache)` is told
+        the prefill reached them (prefix reuse keeps a snapshot there)."""
         self.batch, self.tokens = batch, list(prompt)  # the prompt and every token emitted
+        self.boundaries, self.on_boundary = list(boundaries), on_boundary
+        self._reached = 0
         self.sampler = make_request_sampler(temperature, top_p, seed)
         self.started, self.stats, self.last_cycle, self.draft_s = False, None, (0, 0), 0.0
         self._delivered: list[int] = []
         self.uid = batch.join(self, prompt, cache, cached)
+
+    def boundary_reached(self, cache: Callable[[], list]) -> None:
+        if self._reached < len(self.boundaries) and self.on_boundary is not None:
+            self.on_boundary(self.boundaries[self._reached], cache())
+        self._reached += 1
 
     def deliver(self, token: int) -> None:
         self._delivered.append(token)

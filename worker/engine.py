@@ -281,17 +281,24 @@ class Engine:
             events.append(m.Started(r.id, len(r.prompt)))
 
     def _decoder(self, r: _Request) -> "BaselineRow | JointDecoder":
-        req = r.req
-        # with reuse: caches that hold a prefix of the prompt (restored, then prefilled to its boundaries)
-        s = self.reuse.start(r.plan, r.prompt, req.mode == "joint") if r.plan else Start()
+        """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.
+        A joint request prefills on to its boundaries now; a baseline one in the batch's chunks,
+        its boundary snapshots kept as the chunks reach them."""
+        req, reuse = r.req, self.reuse if r.plan else None
         if req.mode == "joint":
+            s = reuse.start(r.plan, r.prompt, True) if reuse else Start()
             params = SamplingParams(req.temperature, req.top_p)
             drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
                        else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
                                     s.draft_cache, r.prompt[: s.draft_pos]))
             return JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
                                 self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first())
-        return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed, s.cache, s.pos)
+        if reuse is None:
+            return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed)
+        s = reuse.restored(r.plan, r.prompt, False)
+        return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed, s.cache, s.pos,
+                           reuse.boundaries(r.plan, s.pos, len(r.prompt)),
+                           lambda b, cache: reuse.keep_boundary(r.plan, r.prompt[:b], cache))
 
     def _on_token(self, r: _Request, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""

@@ -99,25 +99,42 @@ class PrefixCache:
     # ---- start of a request ----
 
     def start(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
+        """Caches holding the longest reusable prefix, prefilled on to the prompt's boundaries (a
+        snapshot kept at each)."""
+        s = self.restored(plan, prompt, joint)
         try:
-            s = self._restore(plan, prompt, joint) or Start(
-                st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
-            plan.reused = s.pos
-            # attention: the last boundary's snapshot gives the earlier ones too, cut back
-            for b in plan.boundaries[-1:] if self.trimmable else plan.boundaries:
-                if b <= s.pos:
-                    continue
+            for b in self.boundaries(plan, s.pos, len(prompt)):
                 st.prefill(self.model, s.cache, prompt[s.pos : b], self.prefill_step)
                 s.pos = b
                 if joint:
                     st.prefill(self.draft_model, s.draft_cache, prompt[s.draft_pos : b], self.prefill_step)
                     s.draft_pos = b
-                self.keep(plan.identity, prompt[:b], "boundary", s.cache, s.draft_cache, s.draft_pos)
+                self.keep_boundary(plan, prompt[:b], s.cache, s.draft_cache, s.draft_pos)
             return s
         except Exception:  # reuse must never fail a request: it starts from scratch instead
             log.exception("prefix reuse failed; this request starts without it")
             plan.reused = 0
             return Start(st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
+
+    def restored(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
+        """Caches holding the longest prefix a snapshot has (fresh ones where none has)."""
+        try:
+            s = self._restore(plan, prompt, joint)
+        except Exception:  # reuse must never fail a request
+            log.exception("prefix reuse failed; this request starts without it")
+            s = None
+        s = s or Start(st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
+        plan.reused = s.pos
+        return s
+
+    def boundaries(self, plan: Plan, pos: int, length: int) -> list[int]:
+        """The prompt's boundaries past `pos` to keep a snapshot at (with attention only, the last
+        one: its snapshot gives the earlier ones too, cut back)."""
+        return [b for b in (plan.boundaries[-1:] if self.trimmable else plan.boundaries) if pos < b < length]
+
+    def keep_boundary(self, plan: Plan, tokens: list[int], cache: list, draft_cache: Optional[list] = None,
+                      draft_tokens: int = 0) -> None:
+        self.keep(plan.identity, tokens, "boundary", cache, draft_cache, draft_tokens)
 
     def _restore(self, plan: Plan, prompt: list[int], joint: bool) -> Optional[Start]:
         hit = self.client.lookup(plan.identity, prompt, self.trimmable)
