@@ -71,7 +71,6 @@ def test_the_service_never_imports_the_lab():
 
 
 def test_the_lab_doors_import_the_lab_only_when_called():
-    modules = _modules()
     for rel in LAB_DOORS:
         module = rel.removesuffix(".py").replace("/", ".")
         assert not [n for n in _imports(ROOT / rel, module, top_level_only=True) if n.startswith("bench")]

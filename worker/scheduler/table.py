@@ -3,10 +3,9 @@ N's (interpolated, bounded by cells that do more work); docs/scheduler.md, "The 
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from worker.round import Cell
-from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates, _median
+from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates
 
 def _cells(table: dict[Cell, float], n: int) -> list[tuple[int, int, float]]:
     out = []
