@@ -1,97 +1,45 @@
-"""The scheduler's allocation rule and its cost model: cells, the pace, what is kept apart."""
+"""The cost model (worker/scheduler/cost.py): cells, the pace, what is kept apart, what is
+measured again."""
 
 from __future__ import annotations
 
-import itertools
-import io
-import json
-import math
-import random
-import subprocess
-import sys
-
 import pytest
 
-from joint_fixtures import PAIRS, load_pair
-from protocol import messages as m
-from worker.engine import Engine, EngineConfig
 from worker import scheduler
 from worker.round import Cell
-from bench import simulator as sim
-from worker.scheduler import EXPLORE_MARGIN, FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
-
-EXAMPLE = {"A": [0.95, 0.90, 0.85], "B": [0.80, 0.60, 0.40], "C": [0.60, 0.50, 0.30]}
-
-
-def test_design_example():
-    surv = [survivals(a) for a in EXAMPLE.values()]
-    assert [[round(s, 3) for s in row] for row in surv] == [[0.95, 0.855, 0.727], [0.8, 0.48, 0.192], [0.6, 0.3, 0.09]]
-    assert " ".join("ABC"[r] + str(j) for r, j in rank(surv)) == "A1 A2 B1 A3 C1 B2 C2 B3 C3"
-    assert allocate(surv, 4) == [3, 1, 0]
-    assert allocate(surv, 0) == [0, 0, 0] and allocate(surv, 9) == [3, 3, 3]
-
-
-def test_ties_go_by_request_then_position():
-    assert rank([[0.5, 0.5], [0.5]]) == [(0, 1), (0, 2), (1, 1)]
-    assert allocate([[0.5, 0.5], [0.5]], 2) == [2, 0]
-
-
-def _oracle(surv, budget):
-    """Every prefix-closed allocation of exactly `budget` positions; the best total survival."""
-    best, winners = -1.0, []
-    for lengths in itertools.product(*(range(len(row) + 1) for row in surv)):
-        if sum(lengths) != budget:
-            continue
-        total = sum(sum(row[:n]) for row, n in zip(surv, lengths))
-        if total > best + 1e-12:
-            best, winners = total, [list(lengths)]
-        elif abs(total - best) <= 1e-12:
-            winners.append(list(lengths))
-    return best, winners
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_allocation_matches_brute_force(seed):
-    rng = random.Random(seed)
-    levels = [0.2, 0.5, 0.5, 0.8, 1.0]  # repeated values make ties
-    surv = [survivals([rng.choice(levels) if seed % 2 else rng.random() for _ in range(rng.randint(1, 4))])
-            for _ in range(rng.randint(1, 4))]
-    for budget in range(sum(len(r) for r in surv) + 1):
-        lengths = allocate(surv, budget)
-        best, winners = _oracle(surv, budget)
-        assert sum(lengths) == budget
-        assert lengths in winners, (surv, budget, lengths, best)
+from worker.scheduler import (FEW_ROUNDS, MAX_AGE, MIN_SAMPLES, PACE_BOUND, PACE_WINDOW, STALE_GAP, WINDOW, CostModel,
+                              Scheduler, decide, estimate)
 
 
 def test_cost_model_keeps_only_complete_rounds():
     cm = CostModel()
-    cm.observe((1, 0, 0), 0.010)
-    cm.observe((1, 0, 0), 0.011)  # commits the first: one round late
+    cm.observe(Cell(1, 0, 0), 0.010)
+    cm.observe(Cell(1, 0, 0), 0.011)  # commits the first: one round late
     assert cm.table() == {Cell(1, 0, 0): 0.010}
     cm.interrupt("cancel")  # the second round turned out interrupted
     cm.commit()
     assert cm.table() == {Cell(1, 0, 0): 0.010} and cm.set_apart[-1][2] == "cancel"
     for t in (0.010, 0.012, 0.011, 0.5):  # 0.5 is a stall
-        cm.observe((1, 0, 0), t)
+        cm.observe(Cell(1, 0, 0), t)
     cm.commit()
     # the fourth round reads a pace of 1.1 against the cell's median (0.010): every figure × 1.1
     assert cm.pace == pytest.approx(1.1) and cm.table() == {Cell(1, 0, 0): pytest.approx(0.011)}
     assert cm.set_apart[-1][2] == "stall"
-    cm.observe((1, 1, 1), 0.02)
+    cm.observe(Cell(1, 1, 1), 0.02)
     for _ in range(MAX_AGE - 1):
-        cm.observe((1, 0, 0), 0.010)
+        cm.observe(Cell(1, 0, 0), 0.010)
     cm.commit()
     assert cm.counts() == {Cell(1, 0, 0): WINDOW, Cell(1, 1, 1): 1}
-    cm.observe((1, 0, 0), 0.010)
+    cm.observe(Cell(1, 0, 0), 0.010)
     cm.commit()  # (1, 1, 1)'s one round was measured MAX_AGE rounds ago: it expires
     assert cm.counts() == {Cell(1, 0, 0): WINDOW}
     kept = CostModel()  # a cell of MIN_SAMPLES rounds keeps them, priced at today's pace
     for _ in range(MIN_SAMPLES):
-        kept.observe((1, 1, 1), 0.02)
+        kept.observe(Cell(1, 1, 1), 0.02)
     for _ in range(MAX_AGE):
-        kept.observe((1, 0, 0), 0.010)
+        kept.observe(Cell(1, 0, 0), 0.010)
     for _ in range(PACE_WINDOW):
-        kept.observe((1, 0, 0), 0.012)
+        kept.observe(Cell(1, 0, 0), 0.012)
     kept.commit()
     assert kept.counts()[Cell(1, 1, 1)] == MIN_SAMPLES and kept.table()[Cell(1, 1, 1)] == pytest.approx(0.024)
     s = Scheduler()
@@ -108,10 +56,10 @@ def test_a_cell_measured_again_after_a_long_gap_starts_anew():
     def run(gap: int, fresh: float = 0.15) -> CostModel:
         cm = CostModel()
         for _ in range(5):
-            cm.observe((4, 4, 1), 0.24)
+            cm.observe(Cell(4, 4, 1), 0.24)
         for _ in range(gap):
-            cm.observe((4, 0, 0), 0.12)
-        cm.observe((4, 4, 1), fresh)
+            cm.observe(Cell(4, 0, 0), 0.12)
+        cm.observe(Cell(4, 4, 1), fresh)
         cm.commit()
         return cm
     late, soon, dearer = run(STALE_GAP + 1), run(STALE_GAP - 1, 0.23), run(STALE_GAP + 1, 0.30)
@@ -130,11 +78,11 @@ def test_the_pace_is_read_only_against_a_cell_of_min_samples_rounds():
     def run(plain_rounds: int) -> CostModel:
         cm = CostModel()
         for _ in range(plain_rounds):
-            cm.observe((1, 0, 0), 0.0087)
+            cm.observe(Cell(1, 0, 0), 0.0087)
         for _ in range(4):
-            cm.observe((1, 8, 8), 0.0184)
+            cm.observe(Cell(1, 8, 8), 0.0184)
         for _ in range(STALE_GAP + 1):
-            cm.observe((1, 0, 0), 0.0060)
+            cm.observe(Cell(1, 0, 0), 0.0060)
         cm.commit()
         return cm
     one, enough = run(1), run(MIN_SAMPLES)
@@ -151,27 +99,28 @@ def test_cells_measured_in_different_spells_compare_through_the_pace():
     (9.5 ÷ 6.0) k = 5 costs 2.58 and k = 1 2.17, and plain rounds go on. Back at the old pace, so is k = 5's
     figure; one cell's rounds alone (k = 5 in a slow spell after plain rounds) move the pace and
     carry the plain figure with them."""
-    def run(spell: list[tuple[tuple, float]]) -> CostModel:
+    def run(spell: list[tuple[Cell, float]]) -> CostModel:
         cm = CostModel()
         for _ in range(6):
             for _ in range(4):
-                cm.observe((1, 0, 0), 0.0060)
-            cm.observe((1, 1, 1), 0.0130)
-            cm.observe((1, 5, 5), 0.0155)
+                cm.observe(Cell(1, 0, 0), 0.0060)
+            cm.observe(Cell(1, 1, 1), 0.0130)
+            cm.observe(Cell(1, 5, 5), 0.0155)
         for key, t in spell:
             cm.observe(key, t)
         cm.commit()
         return cm
-    slow = run([((1, 0, 0), 0.0095)] * 20)
+    slow = run([(Cell(1, 0, 0), 0.0095)] * 20)
     assert slow.pace == pytest.approx(0.0095 / 0.0060)
     assert slow.table()[Cell(1, 5, 5)] == pytest.approx(0.0155 * 0.0095 / 0.0060)
     assert decide([[0.6] * 5], 1, slow.table(), 8, counts=slow.counts()).budget == 0
     raw = {Cell(1, 0, 0): 0.0095, Cell(1, 1, 1): 0.0130, Cell(1, 5, 5): 0.0155}
     assert decide([[0.6] * 5], 1, raw, 8, counts={Cell(1, 0, 0): 20, Cell(1, 1, 1): 6, Cell(1, 5, 5): 6}).budget > 0  # it drafted
-    back = run([((1, 0, 0), 0.0095)] * 20 + [((1, 0, 0), 0.0060)] * 20)
+    back = run([(Cell(1, 0, 0), 0.0095)] * 20 + [(Cell(1, 0, 0), 0.0060)] * 20)
     assert back.pace == pytest.approx(1.0) and back.table()[Cell(1, 5, 5)] == pytest.approx(0.0155)
-    drafting = run([((1, 5, 5), 0.0155 * 1.4)] * 20)
+    drafting = run([(Cell(1, 5, 5), 0.0155 * 1.4)] * 20)
     assert drafting.table()[Cell(1, 0, 0)] == pytest.approx(0.0060 * 1.4)
+
 
 def test_a_cell_that_starts_anew_keeps_nothing_of_the_rounds_it_dropped():
     """A tiny model's first drafting rounds cost 6× plain, its steady ones 1.2×: the cell started
@@ -179,16 +128,16 @@ def test_a_cell_that_starts_anew_keeps_nothing_of_the_rounds_it_dropped():
     than MIN_SAMPLES rounds; the dear rounds do not come back."""
     cm = CostModel()
     for _ in range(3):
-        cm.observe((1, 0, 0), 0.003)
+        cm.observe(Cell(1, 0, 0), 0.003)
     for _ in range(5):
-        cm.observe((1, 1, 1), 0.020)
+        cm.observe(Cell(1, 1, 1), 0.020)
     for _ in range(STALE_GAP + 1):
-        cm.observe((1, 0, 0), 0.003)
-    cm.observe((1, 1, 1), 0.004)
+        cm.observe(Cell(1, 0, 0), 0.003)
+    cm.observe(Cell(1, 1, 1), 0.004)
     cm.commit()
     assert cm.counts()[Cell(1, 1, 1)] == 1 and cm.table()[Cell(1, 1, 1)] == pytest.approx(0.004)
     for _ in range(MAX_AGE):
-        cm.observe((1, 0, 0), 0.003)
+        cm.observe(Cell(1, 0, 0), 0.003)
     cm.commit()
     assert Cell(1, 1, 1) not in cm.table()
 
@@ -204,11 +153,11 @@ def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
     def run(plain_now: float) -> CostModel:
         cm = CostModel()
         for _ in range(WINDOW):
-            cm.observe((1, 0, 0), 0.036)
+            cm.observe(Cell(1, 0, 0), 0.036)
         for _ in range(5):
-            cm.observe((1, 1, 1), 0.0535)
+            cm.observe(Cell(1, 1, 1), 0.0535)
         for _ in range(60):
-            cm.observe((1, 0, 0), plain_now)
+            cm.observe(Cell(1, 0, 0), plain_now)
         cm.commit()
         return cm
     slow, fast, same = run(0.044), run(0.030), run(0.036)
@@ -221,7 +170,7 @@ def test_a_stale_drafting_cell_follows_the_plain_rounds_load():
     assert decide([[0.6]], 1, {Cell(1, 0, 0): 0.030, Cell(1, 1, 1): 0.0535}, 8).budget == 0  # unscaled, it would not
     recent = CostModel()
     for t in [0.036] * WINDOW + [0.0535] * 5 + [0.044] * (STALE_GAP - 1):
-        recent.observe((1, 0, 0) if t != 0.0535 else (1, 1, 1), t)
+        recent.observe(Cell(1, 0, 0) if t != 0.0535 else Cell(1, 1, 1), t)
     recent.commit()
     assert recent.table()[Cell(1, 1, 1)] == pytest.approx(0.0535 * 0.044 / 0.036, rel=0.03)
 
@@ -238,12 +187,12 @@ def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
         cm = CostModel()
         for _ in range(12):  # probes among plain rounds
             for _ in range(8):
-                cm.observe((1, 0, 0), 0.031)
-            cm.observe((1, 1, 1), 0.046)
+                cm.observe(Cell(1, 0, 0), 0.031)
+            cm.observe(Cell(1, 1, 1), 0.046)
         for _ in range(30):
-            cm.observe((1, 0, 0), 0.041)
+            cm.observe(Cell(1, 0, 0), 0.041)
         for _ in range(after):
-            cm.observe((1, 1, 1), 0.046)
+            cm.observe(Cell(1, 1, 1), 0.046)
         cm.commit()
         return cm
     late, soon = run(STALE_GAP + 2), run(STALE_GAP - 2)
@@ -254,17 +203,17 @@ def test_a_stale_plain_cell_follows_the_drafting_rounds_pace():
     assert soon.pace == pytest.approx(1.0) and run(PACE_WINDOW // 2 - 1).pace == pytest.approx(0.041 / 0.031)
     wild = CostModel()  # a cell's first rounds 5× its steady ones move the pace PACE_BOUND at most
     for _ in range(8):
-        wild.observe((1, 0, 0), 0.031)
+        wild.observe(Cell(1, 0, 0), 0.031)
     for _ in range(5):
-        wild.observe((1, 1, 1), 0.046 * 5)
+        wild.observe(Cell(1, 1, 1), 0.046 * 5)
     for _ in range(STALE_GAP + 2):
-        wild.observe((1, 1, 1), 0.046)
+        wild.observe(Cell(1, 1, 1), 0.046)
     wild.commit()
     assert wild.table()[Cell(1, 0, 0)] == pytest.approx(0.031 / PACE_BOUND)
     plain_only = CostModel()  # nothing drafted since: the plain cell keeps its own rounds
     for _ in range(STALE_GAP + 2):
-        plain_only.observe((1, 0, 0), 0.031)
-    plain_only.observe((1, 1, 1), 0.046)
+        plain_only.observe(Cell(1, 0, 0), 0.031)
+    plain_only.observe(Cell(1, 1, 1), 0.046)
     plain_only.commit()
     assert plain_only.table()[Cell(1, 0, 0)] == pytest.approx(0.031)
 
@@ -278,9 +227,9 @@ def test_a_plain_figure_from_a_slow_spell_is_capped_by_the_drafting_rounds_since
     def run(spell: float, drafting: int) -> CostModel:
         cm = CostModel()
         for t in [0.002] * WINDOW + [spell] * 20:
-            cm.observe((1, 0, 0), t)
+            cm.observe(Cell(1, 0, 0), t)
         for _ in range(drafting):
-            cm.observe((1, 1, 1), 0.0058, draft_s=0.0021)
+            cm.observe(Cell(1, 1, 1), 0.0058, draft_s=0.0021)
         cm.commit()
         return cm
     few, enough = run(0.0052, MIN_SAMPLES - 1), run(0.0052, MIN_SAMPLES)
@@ -301,22 +250,22 @@ def test_a_cell_the_ordering_contradicts_is_measured_again():
     def run(fresh: float | None = None) -> CostModel:
         cm = CostModel()
         for _ in range(5):
-            cm.observe((4, 4, 1), 0.180)
+            cm.observe(Cell(4, 4, 1), 0.180)
         for _ in range(FEW_ROUNDS):  # measured often enough to keep its figure (see the next test)
-            cm.observe((4, 0, 0), 0.105)
-            cm.observe((4, 12, 3), 0.382)
+            cm.observe(Cell(4, 0, 0), 0.105)
+            cm.observe(Cell(4, 12, 3), 0.382)
         for _ in range(STALE_GAP + 8):
-            cm.observe((4, 8, 2), 0.151)
+            cm.observe(Cell(4, 8, 2), 0.151)
         if fresh is not None:
-            cm.observe((4, 4, 1), fresh)
+            cm.observe(Cell(4, 4, 1), fresh)
         cm.commit()
         return cm
     rates = [[0.53, 0.46, 0.48, 0.40]] * 4
     early = CostModel()
     for _ in range(5):
-        early.observe((4, 4, 1), 0.180)
+        early.observe(Cell(4, 4, 1), 0.180)
     for _ in range(5):
-        early.observe((4, 8, 2), 0.151)
+        early.observe(Cell(4, 8, 2), 0.151)
     early.commit()
     assert early.counts()[Cell(4, 4, 1)] == 5  # within STALE_GAP: the bound stands
     assert estimate(early.table(), 4, 4, 1, early.counts()) == pytest.approx(0.151)  # no dearer than k = 2
@@ -341,11 +290,11 @@ def test_a_deeper_cell_seldom_measured_is_tried_again():
     def run(k2_rounds: int, gap: int) -> CostModel:
         cm = CostModel()
         for _ in range(4):
-            cm.observe((1, 0, 0), 0.0326)
+            cm.observe(Cell(1, 0, 0), 0.0326)
         for _ in range(k2_rounds):
-            cm.observe((1, 2, 2), 0.095)
+            cm.observe(Cell(1, 2, 2), 0.095)
         for _ in range(gap):
-            cm.observe((1, 1, 1), 0.047)
+            cm.observe(Cell(1, 1, 1), 0.047)
         cm.commit()
         return cm
     def depth(cm: CostModel) -> int:
@@ -353,7 +302,7 @@ def test_a_deeper_cell_seldom_measured_is_tried_again():
     assert depth(run(3, STALE_GAP)) == 1  # the dear figure stands while it is recent
     stale = run(3, STALE_GAP + 2)
     assert stale.counts()[Cell(1, 2, 2)] == 0 and depth(stale) >= 2
-    stale.observe((1, 2, 2), 0.066)  # the fresh round: cheaper, the cell starts anew
+    stale.observe(Cell(1, 2, 2), 0.066)  # the fresh round: cheaper, the cell starts anew
     stale.commit()
     assert stale.table()[Cell(1, 2, 2)] == pytest.approx(0.066) and depth(stale) >= 2
     assert depth(run(FEW_ROUNDS, STALE_GAP + 2)) == 1  # measured often enough: its figure stands
@@ -361,87 +310,63 @@ def test_a_deeper_cell_seldom_measured_is_tried_again():
     # never reached FEW_ROUNDS and was tried again every ~40 rounds for a whole run (k = 2 at 64 ms)
     retried = run(3, STALE_GAP + 2)
     for _ in range(FEW_ROUNDS - 3):
-        retried.observe((1, 2, 2), 0.080)  # dearer than its neighbours imply, cheaper than its figure
+        retried.observe(Cell(1, 2, 2), 0.080)  # dearer than its neighbours imply, cheaper than its figure
         for _ in range(STALE_GAP + 2):
-            retried.observe((1, 1, 1), 0.047)
+            retried.observe(Cell(1, 1, 1), 0.047)
         retried.commit()
     assert retried.counts()[Cell(1, 2, 2)] > 0  # measured FEW_ROUNDS times in all: its figure stands (0: priced by neighbours)
     dear_k1 = CostModel()
     for _ in range(4):
-        dear_k1.observe((1, 0, 0), 0.030)
+        dear_k1.observe(Cell(1, 0, 0), 0.030)
     for _ in range(MIN_SAMPLES):
-        dear_k1.observe((1, 1, 1), 0.120)
+        dear_k1.observe(Cell(1, 1, 1), 0.120)
     for _ in range(STALE_GAP + 2):
-        dear_k1.observe((1, 0, 0), 0.030)
+        dear_k1.observe(Cell(1, 0, 0), 0.030)
     dear_k1.commit()
     assert dear_k1.counts()[Cell(1, 1, 1)] == MIN_SAMPLES  # the first depth is not re-priced
     assert decide([[0.3] * 8], 1, dear_k1.table(), 16, counts=dear_k1.counts()).budget == 0
 
 
-def test_plain_rounds_are_measured_again_while_drafting(tmp_path):
-    """Nothing measures plain rounds while drafting pays on paper: a plain figure from one early
-    round (36.7 ms where steady ones cost 33) kept one request drafting at α = 0.3, 8% below plain
-    decoding. A drafting decision gives way to plain rounds every plain_probe_interval rounds (at
-    least PLAIN_GAP): two where plain rounds are pipelined (the first restarts the pipeline and is
-    set apart), and the fresh figure decides; not where drafting leads by EXPLORE_MARGIN or more,
-    which no stale plain figure flips. Replay reproduces the choice from the log."""
-    d = decide([[0.3]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8)
-    assert d.budget == 1 and d.candidates[1].gain == pytest.approx(1.3)
-    assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
-    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 100  # (0.086 + 5 × 1.2 ms) / (2% of 0.0461)
-    assert decide([[0.3]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, explore_plain=True).allocation == [0]
-    assert decide([[0.9]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, explore_plain=True).allocation == [1]  # a 1.5× lead
-    assert decide([[0.05]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, probe=True, explore_plain=True).allocation == [1]
-    log = tmp_path / "decisions.jsonl"
-    s = Scheduler(log_path=str(log))
-    s.cost.cells = {(1, 0, 0): [(1, 0.0367)] * 3, (1, 1, 1): [(1, 0.0461)] * 9}
-    s.cost.rounds = 1
-    for i in range(100):
-        s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
-    budgets: list[int] = []
-    for i in range(PLAIN_GAP + 8):
-        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
-        if k:
-            s.observe_cycle("r", k, int(i % 3 == 0))
-            s.observe_round(0.0461, True)
-        else:
-            _observe_pipelined_plain(s, budgets, (0.085, 0.042, 0.033))
-        budgets.append(k)
-    assert budgets == [1] * PLAIN_GAP + [0] * 8
-    assert s.cost.table()[Cell(1, 0, 0)] == 0.033
-    assert replay(log.read_text().splitlines()) == []
+def test_a_catch_up_is_priced_by_the_pieces_and_tokens_it_feeds():
+    """On the H200 a catch-up costs by its pieces (one launch each), here by its tokens: the fit
+    recovers either from catch-ups of several lags, ignores a shape's first, dear time, and prices
+    a lag never seen (a probe late in a request that never drafted) by what it will feed."""
+    by_pieces = [(0.006 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 5, 6, 7, 12, 13, 20)]
+    assert scheduler.fit_feed(by_pieces) == pytest.approx((0.006, 0.0), abs=1e-9)
+    by_tokens = [(0.001 * t + 0.002 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 7, 12, 31, 64)]
+    assert scheduler.fit_feed(by_tokens) == pytest.approx((0.002, 0.001), abs=1e-9)
+    cold = by_pieces + [(0.5, 8, 1)]  # one shape's first time
+    assert scheduler.fit_feed(cold) == pytest.approx((0.006, 0.0), abs=1e-9)
+    one_lag = [(0.012, 5, 2)] * 4  # one ratio of tokens to pieces: put on the pieces
+    assert scheduler.fit_feed(one_lag) == pytest.approx((0.006, 0.0))
+    assert scheduler.feed_pieces(109) == 5 and scheduler.feed_pieces(1100) == 2 + 3  # 512, 512, 64, 8, 4
+
+    cm = CostModel()
+    for t in (4, 5, 6, 4, 5):  # short sit-outs, as most catch-ups are
+        cm.set_aside(Cell(1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
+    cm.set_aside(Cell(1, 0, 0), 0.2, "cancel", (50, 3))  # not a catch-up: not fitted
+    assert len(cm.fed) == 5
+    assert cm.feed_seconds(1, 0) == 0.0
+    assert cm.feed_seconds(1, 109) == pytest.approx(0.030)  # 5 pieces, where the median catch-up is 0.012
+    assert cm.catch_up_seconds(1) == pytest.approx(0.012)
+    assert CostModel().feed_seconds(1, 109) is None  # nothing measured
+    few = CostModel()
+    few.set_aside(Cell(1, 4, 4), 0.010, "draft catch-up", (5, 2))
+    assert few.feed_seconds(1, 109) == pytest.approx(0.010)  # too few to fit: the median
 
 
-def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[float, float, float]) -> None:
-    """A pipelined plain round as the engine reports it: the first after drafting starts the
-    pipeline, the next ones warm it up (all set apart, PIPELINE_WARM_ROUNDS in all), then steady."""
-    run = len(budgets) - next((i + 1 for i in reversed(range(len(budgets))) if budgets[i]), 0)
-    if run < PIPELINE_WARM_ROUNDS:
-        s.observe_round(costs[min(run, 1)], False, PIPELINE_REASONS[min(run, 1)])
-    else:
-        s.observe_round(costs[2], True)
-
-
-def test_a_plain_cell_of_few_rounds_is_measured_again_soon(tmp_path):
-    """An engine's first plain round (38 ms, against 31 ms steady) was the plain cell's only one,
-    and k = 1 (44 ms) drafted 100 rounds at α = 0.3 before PLAIN_GAP let plain rounds be measured
-    again. While the plain cell has fewer than MIN_SAMPLES rounds, plain rounds are explored
-    every FEW_PLAIN_GAP drafting rounds, and the fresh figures stop the drafting."""
-    log = tmp_path / "decisions.jsonl"
-    s = Scheduler(log_path=str(log))
-    s.cost.cells = {(1, 0, 0): [(1, 0.038)], (1, 1, 1): [(1, 0.044)] * 9}
-    s.cost.rounds = 1
-    for i in range(100):
-        s.observe_cycle(f"old{i // 50}", 1, int(i % 10 < 3))
-    budgets: list[int] = []
-    for i in range(4 * FEW_PLAIN_GAP):
-        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
-        if k:
-            s.observe_cycle("r", k, int(i % 10 < 3))
-            s.observe_round(0.044, True)
-        else:
-            _observe_pipelined_plain(s, budgets, (0.076, 0.042, 0.031))
-        budgets.append(k)
-    assert budgets[:FEW_PLAIN_GAP + 1] == [1] * FEW_PLAIN_GAP + [0]
-    assert budgets[-FEW_PLAIN_GAP:] == [0] * FEW_PLAIN_GAP and s.cost.counts()[Cell(1, 0, 0)] >= MIN_SAMPLES
-    assert replay(log.read_text().splitlines()) == []
+def test_a_round_with_costs_apart_enters_the_table_at_its_own_time():
+    """A round whose draft first caught up (its catch-up timed apart, with the tokens and pieces it
+    fed) is priced at the round's time, the catch-up kept apart. A whole bench sched run read a
+    338 ms k = 8 round at the 5.8 ms of its catch-up, priced k = 8 at 16 ms on the CPU, and drafted
+    8 deep through α = 0.2: 0.69 of k = 2."""
+    s = Scheduler()
+    for _ in range(3):
+        s.plan(["r"], 1)
+        s._round = Cell(1, 8, 8)
+        s.observe_round(0.338, True, apart={"draft catch-up": (0.0058, 4, 1), "look-ahead taken": (0.017, 0, 0)})
+    s.cost.commit()
+    table, counts = s.cost.table_and_counts()
+    assert counts[Cell(1, 8, 8)] == 3 and table[Cell(1, 8, 8)] == pytest.approx(0.338)
+    assert sorted(why for _, _, why in s.cost.set_apart) == ["draft catch-up"] * 3 + ["look-ahead taken"] * 3
+    assert s.cost.catch_up_seconds(1) == pytest.approx(0.0058)

@@ -1,24 +1,17 @@
-"""The scheduler's decisions: budgets, probes, reach, switching costs, room."""
+"""The decision (worker/scheduler/decide.py) and how a table is read for it
+(worker/scheduler/table.py): budgets, reach, probes, switching costs."""
 
 from __future__ import annotations
 
-import itertools
-import io
-import json
 import math
-import random
-import subprocess
-import sys
 
 import pytest
 
-from joint_fixtures import PAIRS, load_pair
-from protocol import messages as m
-from worker.engine import Engine, EngineConfig
-from worker import scheduler
 from worker.round import Cell
-from bench import simulator as sim
-from worker.scheduler import EXPLORE_MARGIN, FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
+from worker.scheduler import (FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Scheduler, decide,
+                              estimate, probe_interval)
+from worker.scheduler.decide import _best, _best_drafting
+
 
 def test_speculation_switches_off_when_it_does_not_pay():
     cheap = {Cell(1, 0, 0): 1.0, Cell(1, 1, 1): 1.05, Cell(1, 2, 2): 1.1, Cell(1, 3, 3): 1.15}
@@ -96,32 +89,41 @@ def test_a_shrinking_batch_starts_from_what_the_larger_one_measured():
     assert estimate({}, 1, 0, 0) is None  # nothing measured at all: start plain
 
 
-def test_a_batch_tail_explores_plain_only_where_drafting_leads_narrowly():
-    """With fewer than MIN_SAMPLES plain rounds of an N, a due exploration is taken whatever the lead,
-    except in a batch's tail (N under the most of the last PLAIN_GAP rounds): there its few rounds
-    would all be explorations, and α = 0.9 ×4's tails decoded plain against leads of 1.26-1.50."""
-    s = Scheduler()
-    s.cost.cells = {(4, 0, 0): [(1, 0.08)] * 9, (4, 16, 4): [(1, 0.17)] * 9, (1, 0, 0): [(1, 0.03)]}
-    s.cost.rounds = FEW_PLAIN_GAP + 1
-    for _ in range(40):
-        s.observe_cycle("old", 4, 4)
-    assert min(s._decide(["a", "b", "c", "d"], 4, [False] * 4, [40] * 4)[0].allocation) >= 4
-    tail, _, _, margin = s._decide(["a"], 1, [False], [20])
-    assert s._plain_due(1, 1)  # an exploration is due ...
-    assert not tail.explored and margin == EXPLORE_MARGIN and tail.allocation[0] >= 4  # ... and not taken
-    s.rounds += PLAIN_GAP + 1  # long since 4 were seen: one request is the steady state, explored whatever the lead
-    steady, _, _, margin = s._decide(["a"], 1, [False], [20])
-    assert margin is None and steady.explored and steady.allocation == [0]
+def test_a_depth_past_a_dear_step_is_priced_at_the_cheapest_step_seen():
+    """CPU costs are staircases (here 48 → 60 → 93 ms for depths 0, 1, 2; depth 4 measured later
+    at 121): past the deepest measured depth the next one is priced at the cheapest step per depth
+    measured so far, so at acceptance 0.9 deeper depths are tried; where every step is dear they
+    are not."""
+    table = {Cell(1, 0, 0): 0.048, Cell(1, 1, 1): 0.060, Cell(1, 2, 2): 0.093}
+    d = decide([[0.9] * 8], 1, table, 8)
+    assert any(c.d == 3 and abs(c.cost - 0.105) < 1e-9 for c in d.candidates)
+    assert d.budget >= 3
+    linear = {Cell(1, 0, 0): 0.048, Cell(1, 1, 1): 0.080, Cell(1, 2, 2): 0.112}
+    assert decide([[0.9] * 8], 1, linear, 8).budget < 3
 
 
-def test_untried_positions_borrow_the_previous_position_estimate():
-    good, bad = Scheduler(), Scheduler()
-    for _ in range(20):
-        good.observe_cycle("r", 1, 1)  # only position 1 was ever tried, always accepted
-        bad.observe_cycle("r", 1, 0)
-    g, b = good.acceptance["r"].rates(good.shared_rates()), bad.acceptance["r"].rates(bad.shared_rates())
-    assert g[0] > 0.9 and g[1] > 0.8 and g[7] > 0.6  # untried, but likely as good as the first
-    assert b[0] < 0.1 and max(b[1:]) < 0.4
+def test_a_depth_past_the_deepest_measured_costs_at_least_a_draft_step():
+    """On this CPU a verify of 5 tokens costs what one of 3 does, so past k = 2 a depth costs
+    little more than its draft step (the controlled draft's: a few ms). The cheapest step seen
+    (13.7 ms, plain to k = 1) priced k = 4 at 100 ms where the fixed k = 4 engine's rounds cost
+    ~86, and α = 0.9 on one request stayed at k = 1 (0.89 of k = 4). With the draft step measured
+    per depth, a depth past the deepest measured is priced at no more than a draft step a depth
+    more: deeper depths are tried; where acceptance does not pay for them, they are not."""
+    table = {Cell(1, 0, 0): 0.0306, Cell(1, 1, 1): 0.0443, Cell(1, 2, 2): 0.0682, Cell(1, 3, 3): 0.0863}
+    counts = {Cell(1, 0, 0): 32, Cell(1, 1, 1): 32, Cell(1, 2, 2): 32, Cell(1, 3, 3): 3}
+    high, low = [[0.86] * 8], [[0.6] * 8]
+    assert decide(high, 1, table, 16, counts=counts).budget == 1
+    d = decide(high, 1, table, 16, counts=counts, draft_step=0.002)
+    assert d.budget >= 4 and any(c.b == 4 and abs(c.cost - 0.0883) < 1e-9 for c in d.candidates)
+    assert decide(low, 1, table, 16, counts=counts, draft_step=0.002).budget == 1
+    cm = CostModel()
+    cm.observe(Cell(1, 2, 2), 0.070, draft_s=0.016)
+    cm.observe(Cell(1, 4, 4), 0.090, draft_s=0.036)
+    cm.observe(Cell(1, 4, 4), 0.095, draft_s=0.040)
+    cm.interrupt("cancel")  # an interrupted round's drafting is no sample either
+    cm.observe(Cell(1, 0, 0), 0.030)
+    cm.commit()
+    assert cm.draft_step(1) == pytest.approx(0.0085) and cm.draft_step(4) is None
 
 
 def test_probes_come_as_often_as_their_expected_loss_allows():
@@ -173,76 +175,15 @@ def test_a_probe_drafts_the_best_drafting_allocation_where_it_is_deeper():
     # 15.3 ms for 2.0 tokens loses less; each × 2.5, with the 1.5 probe rounds expected to follow hits at 0.6
     assert (shallow, probe_interval(gpu, 1, first=[0.6], drafting=deep)) == (92, 63)
     s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(0, 0.009)] * 5, (1, 1, 1): [(0, 0.015)] * 5}
+    s.cost.cells = {Cell(1, 0, 0): [(0, 0.009)] * 5, Cell(1, 1, 1): [(0, 0.015)] * 5}
     for _ in range(100):
         s.observe_cycle("r", 1, 0)
     a = s.acceptance["r"].rates(s.shared_rates())[0]
     budgets = [s.plan(["r"], 1)[0] for _ in range(300)]
     first = math.ceil((0.015 - 0.009 * (1 + a)) / (0.02 * 0.009))
     assert a < 0.05 and budgets.index(1) == first and sum(budgets) == 300 // (first + 1)
-    s.cost.cells[(1, 1, 1)] = [(0, 0.050)] * 5  # no acceptance would pay: no probe
+    s.cost.cells[Cell(1, 1, 1)] = [(0, 0.050)] * 5  # no acceptance would pay: no probe
     assert sum(s.plan(["r"], 1)[0] for _ in range(300)) == 0
-
-def test_a_depth_past_the_deepest_measured_costs_at_least_a_draft_step():
-    """On this CPU a verify of 5 tokens costs what one of 3 does, so past k = 2 a depth costs
-    little more than its draft step (the controlled draft's: a few ms). The cheapest step seen
-    (13.7 ms, plain to k = 1) priced k = 4 at 100 ms where the fixed k = 4 engine's rounds cost
-    ~86, and α = 0.9 on one request stayed at k = 1 (0.89 of k = 4). With the draft step measured
-    per depth, a depth past the deepest measured is priced at no more than a draft step a depth
-    more: deeper depths are tried; where acceptance does not pay for them, they are not."""
-    table = {Cell(1, 0, 0): 0.0306, Cell(1, 1, 1): 0.0443, Cell(1, 2, 2): 0.0682, Cell(1, 3, 3): 0.0863}
-    counts = {Cell(1, 0, 0): 32, Cell(1, 1, 1): 32, Cell(1, 2, 2): 32, Cell(1, 3, 3): 3}
-    high, low = [[0.86] * 8], [[0.6] * 8]
-    assert decide(high, 1, table, 16, counts=counts).budget == 1
-    d = decide(high, 1, table, 16, counts=counts, draft_step=0.002)
-    assert d.budget >= 4 and any(c.b == 4 and abs(c.cost - 0.0883) < 1e-9 for c in d.candidates)
-    assert decide(low, 1, table, 16, counts=counts, draft_step=0.002).budget == 1
-    cm = CostModel()
-    cm.observe((1, 2, 2), 0.070, draft_s=0.016)
-    cm.observe((1, 4, 4), 0.090, draft_s=0.036)
-    cm.observe((1, 4, 4), 0.095, draft_s=0.040)
-    cm.interrupt("cancel")  # an interrupted round's drafting is no sample either
-    cm.observe((1, 0, 0), 0.030)
-    cm.commit()
-    assert cm.draft_step(1) == pytest.approx(0.0085) and cm.draft_step(4) is None
-
-
-def test_a_few_unlucky_cycles_do_not_stop_a_request_drafting():
-    """Each request's estimate leans on the server-wide one: two rejections in a row (likely at
-    a = 0.6) leave it near what the draft is, not at the 0.25 that would switch it off."""
-    s = Scheduler()
-    for i in range(60):
-        s.observe_cycle(f"r{i % 3}", 1, int(i % 5 < 3))  # 60% accepted
-    s.observe_cycle("unlucky", 1, 0)
-    s.observe_cycle("unlucky", 1, 0)
-    shared = s.shared_rates()
-    assert 0.45 < shared[0] < 0.65
-    assert s.acceptance["unlucky"].rates(shared)[0] > 0.4
-    assert s.acceptance["unlucky"].rates()[0] < 0.3  # on its own counts alone
-
-
-def test_new_requests_start_from_what_the_server_has_seen():
-    s = Scheduler()
-    for _ in range(30):
-        s.observe_cycle("old", 2, 0)  # the draft is rejected at once, every time
-    s.forget("old")
-    fresh = s._acceptance("new").rates(s.shared_rates())
-    assert fresh[0] < 0.25  # not the 0.5 of the bare prior
-    for _ in range(15):
-        s.observe_cycle("new", 2, 2)  # this request's own text is easy: it soon goes its own way
-    assert s.acceptance["new"].rates(s.shared_rates())[0] > 0.6
-
-def test_a_depth_past_a_dear_step_is_priced_at_the_cheapest_step_seen():
-    """CPU costs are staircases (here 48 → 60 → 93 ms for depths 0, 1, 2; depth 4 measured later
-    at 121): past the deepest measured depth the next one is priced at the cheapest step per depth
-    measured so far, so at acceptance 0.9 deeper depths are tried; where every step is dear they
-    are not."""
-    table = {Cell(1, 0, 0): 0.048, Cell(1, 1, 1): 0.060, Cell(1, 2, 2): 0.093}
-    d = decide([[0.9] * 8], 1, table, 8)
-    assert any(c.d == 3 and abs(c.cost - 0.105) < 1e-9 for c in d.candidates)
-    assert d.budget >= 3
-    linear = {Cell(1, 0, 0): 0.048, Cell(1, 1, 1): 0.080, Cell(1, 2, 2): 0.112}
-    assert decide([[0.9] * 8], 1, linear, 8).budget < 3
 
 
 def test_starting_to_draft_pays_the_drafts_catch_up():
@@ -267,8 +208,8 @@ def test_near_break_even_the_mode_in_use_persists():
     assert decide([[0.38]], 1, table, 8, counts=counts).budget == 0  # 1.38 / 0.070 < 1 / 0.050
     assert decide([[0.38]], 1, table, 8, counts=counts, stop_s=0.08).budget == 1
     s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(0, 0.050)] * 9, (1, 1, 1): [(0, 0.070)] * 9}
-    s.cost.set_apart.extend([((1, 0, 0), 0.130, "plain pipeline start"), ((1, 1, 1), 0.040, "look-ahead discarded")])
+    s.cost.cells = {Cell(1, 0, 0): [(0, 0.050)] * 9, Cell(1, 1, 1): [(0, 0.070)] * 9}
+    s.cost.set_apart.extend([(Cell(1, 0, 0), 0.130, "plain pipeline start"), (Cell(1, 1, 1), 0.040, "look-ahead discarded")])
     for i in range(200):
         s.observe_cycle(f"old{i // 50}", 1, int(i % 8 < 3))  # 3 of 8 accepted
     assert s.plan(["r"], 1, pipelined=True) == [1]  # it drafted last round: it goes on
@@ -276,20 +217,3 @@ def test_near_break_even_the_mode_in_use_persists():
     assert s.plan(["r"], 1, ahead=[True], pipelined=True) == [0]  # it ran plain: it stays so
     s._held = None
     assert s.plan(["r"], 1) == [0]  # batched plain rounds are not pipelined: no hysteresis
-
-
-def test_no_request_drafts_past_its_remaining_tokens():
-    """A cycle emits its accepted drafts and one more token, so a request with r tokens left can
-    use at most r - 1 drafts: fixed k and the adaptive allocation are both capped there."""
-    fixed = Scheduler(fixed=4)
-    assert fixed.plan(["a", "b"], 2, room=[2, 0]) == [2, 0]
-    assert fixed.plan(["a"], 1) == [4]
-    s = Scheduler()
-    table = {Cell(2, 0, 0): 0.010, Cell(2, 2, 1): 0.0105, Cell(2, 4, 2): 0.011, Cell(2, 8, 4): 0.012}
-    s.cost.cells = {tuple(k): [(1, v)] * 9 for k, v in table.items()}
-    for _ in range(40):
-        s.observe_cycle("a", 4, 4)
-        s.observe_cycle("b", 4, 4)
-    free = s.plan(["a", "b"], 2)
-    assert min(free) >= 3
-    assert s.plan(["a", "b"], 2, room=[1, 0]) == [1, 0]

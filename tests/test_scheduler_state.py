@@ -1,106 +1,55 @@
-"""The scheduler the engine runs: holds, explorations, estimates over rounds, the decision log and its replay, and joint requests decoded together under it."""
+"""The Scheduler the engine runs (worker/scheduler/state.py): holds, probes and explorations over
+rounds, room caps, and its typed round interface (plan_round, observe)."""
 
 from __future__ import annotations
 
-import itertools
-import io
 import json
-import math
 import random
 import subprocess
 import sys
 
 import pytest
 
-from joint_fixtures import PAIRS, load_pair
-from protocol import messages as m
-from worker.engine import Engine, EngineConfig
 from worker import scheduler
-from worker.round import Cell
-from bench import simulator as sim
-from worker.scheduler import EXPLORE_MARGIN, FEW_PLAIN_GAP, FEW_ROUNDS, FREE_SIT_OUT, PROBE_SHARE, UNCERTAIN_SHARE, HOPELESS_EVERY, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PACE_WINDOW, PIPELINE_REASONS, PIPELINE_WARM_ROUNDS, PLAIN_GAP, PACE_BOUND, PROBE_EVERY, STALE_GAP, WINDOW, CostModel, Scheduler, _best, _best_drafting, allocate, decide, estimate, plain_probe_interval, probe_interval, rank, replay, survivals
-
-@pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory):
-    return load_pair(tmp_path_factory.mktemp("sched"), "llama+llama")
+from worker.round import Cell, CycleReport, Paid, RoundInput, RoundPlan, RoundReport, RowState, SetApart
+from worker.scheduler import (EXPLORE_MARGIN, FEW_PLAIN_GAP, MAX_AGE, MAX_HOLD, MIN_SAMPLES, PIPELINE_REASONS,
+                              PIPELINE_WARM_ROUNDS, PLAIN_GAP, PROBE_EVERY, PROBE_SHARE, UNCERTAIN_SHARE, CostModel,
+                              Scheduler, decide, plain_probe_interval, replay)
+from worker.scheduler.decide import _best
 
 
-@pytest.fixture(scope="module")
-def hybrid_pair(tmp_path_factory):
-    return load_pair(tmp_path_factory.mktemp("sched-h"), "qwen3_5+qwen3_5")
-
-
-def _run(engine, reqs):
-    for rid, req in reqs.items():
-        engine.submit(rid, req)
-    out = {rid: [] for rid in reqs}
-    while engine.has_work():
-        for e in engine.step():
-            if isinstance(e, m.TextDelta):
-                out[e.request_id] += e.token_ids
-    return out
-
-
-@pytest.mark.parametrize("pair_name", ["llama+llama", "qwen3_5+qwen3_5"])
-def test_four_concurrent_joint_requests_equal_their_baselines(pair_name, llama_pair, hybrid_pair, tmp_path, monkeypatch):
-    pair = llama_pair if pair_name == "llama+llama" else hybrid_pair
-    monkeypatch.setattr(scheduler.state, "MAX_HOLD", 0)  # decide every round: 32 tokens of ms rounds would hold most decisions
-    texts = ["hello world", "the quick brown fox", "once upon a time", "tell me a story"]
-    reqs = {f"{mode}{i}": m.GenerateRequest(messages=[m.Message("user", t)], max_tokens=32, temperature=0.0,
-                                            ignore_eos=True, mode=mode)
-            for i, t in enumerate(texts) for mode in ("joint", "baseline")}
-    log = tmp_path / "decisions.jsonl"
-    engine = Engine(pair.target, EngineConfig(max_active=4, decision_log=str(log)), pair.drafts["perturbed"])
-    joint = _run(engine, {k: v for k, v in reqs.items() if k.startswith("joint")})
-    base = _run(Engine(pair.target, EngineConfig(max_active=1)), {k: v for k, v in reqs.items() if k.startswith("base")})
-    for i in range(len(texts)):
-        assert joint[f"joint{i}"] == base[f"baseline{i}"]
-    decisions = [rec for rec in map(json.loads, log.read_text().splitlines()) if "observed" not in rec]
-    assert len(decisions) > 10 and any(rec["budget"] > 0 for rec in decisions)
-    assert not any(rec.get("held") for rec in decisions)
-    assert any(len(rec["requests"]) == 4 for rec in decisions)
-
-
-def test_replay_reports_no_difference_then_the_altered_input(llama_pair, tmp_path):
-    log = tmp_path / "decisions.jsonl"
-    engine = Engine(llama_pair.target, EngineConfig(max_active=2, decision_log=str(log)), llama_pair.drafts["perturbed"])
-    _run(engine, {f"r{i}": m.GenerateRequest(messages=[m.Message("user", t)], max_tokens=40, temperature=0.0,
-                                             ignore_eos=True, mode="joint")
-                  for i, t in enumerate(["hello world", "once upon a time"])})
-    verity = [sys.executable, "-m", "cli.main", "replay"]
-    r = subprocess.run([*verity, str(log)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "0 differences" in r.stderr
-    lines = log.read_text().splitlines()
-    observed = [rec for rec in map(json.loads, lines) if "observed" in rec]  # every round's time, beside the decisions
-    assert sum(rec["complete"] for rec in observed) == engine.scheduler.cost.rounds
-    assert all(rec["observed"] > 0 and len(rec["shape"]) == 3 and (rec["complete"] or rec["reason"]) for rec in observed)
-    drafting = [rec for rec in observed if rec["shape"][2]]
-    assert drafting and all(0 < rec["draft_s"] < rec["observed"] for rec in drafting)  # the engine times its drafting
-    assert all(rec["draft_s"] == 0 for rec in observed if not rec["shape"][2])
-    assert engine.scheduler.cost.draft_step(2) or engine.scheduler.cost.draft_step(1)
-    i = max(i for i, line in enumerate(lines) if any(json.loads(line).get("acceptance", [])[:1]))  # the last that could draft
-    rec = json.loads(lines[i])
-    rec["acceptance"][0][0] = 0.01 if rec["acceptance"][0][0] > 0.5 else 0.99
-    rec["cost_table"] = {k: v * (3.0 if k.split(",")[1] != "0" else 1.0) for k, v in rec["cost_table"].items()}
-    altered = tmp_path / "altered.jsonl"
-    altered.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
-    r = subprocess.run([*verity, str(altered)], capture_output=True, text=True)
-    assert r.returncode == 1 and f"line {i + 1}" in r.stdout, r.stdout + r.stderr
-
-def test_an_unlucky_deep_position_drifts_back_while_drafts_stay_shallow():
-    """Two early rejections at position 2 would keep drafts at depth 1 for good (position 2 is
-    then never tried again); cycles that do not try it make its old counts fade, so its estimate
-    returns to what position 1 shows and a deeper draft gets tried again."""
+def test_no_request_drafts_past_its_remaining_tokens():
+    """A cycle emits its accepted drafts and one more token, so a request with r tokens left can
+    use at most r - 1 drafts: fixed k and the adaptive allocation are both capped there."""
+    fixed = Scheduler(fixed=4)
+    assert fixed.plan(["a", "b"], 2, room=[2, 0]) == [2, 0]
+    assert fixed.plan(["a"], 1) == [4]
     s = Scheduler()
-    for _ in range(2):
-        _drafting_round(s, "r", 2, 1)  # position 1 accepted, position 2 rejected
-    assert s.shared_rates()[1] < 0.6
+    table = {Cell(2, 0, 0): 0.010, Cell(2, 2, 1): 0.0105, Cell(2, 4, 2): 0.011, Cell(2, 8, 4): 0.012}
+    s.cost.cells = {k: [(1, v)] * 9 for k, v in table.items()}
+    for _ in range(40):
+        s.observe_cycle("a", 4, 4)
+        s.observe_cycle("b", 4, 4)
+    free = s.plan(["a", "b"], 2)
+    assert min(free) >= 3
+    assert s.plan(["a", "b"], 2, room=[1, 0]) == [1, 0]
+
+
+def test_drafting_tells_what_the_last_decision_with_room_chose():
+    """The engine starts a lone request's plain pipeline at once only where the scheduler is not
+    drafting; a request's last round, with no room to draft, and a probe leave that as it was."""
+    s = Scheduler()
+    s.cost.cells = {Cell(1, 0, 0): [(1, 0.030)] * 9, Cell(1, 1, 1): [(1, 0.036)] * 9}
+    assert not s.drafting  # nothing decided yet
+    for _ in range(40):
+        s.observe_cycle("a", 1, 1)  # every draft accepted: drafting pays
+    assert s.plan(["a"], 1, room=[8])[0] > 0 and s.drafting
+    assert s.plan(["a"], 1, room=[0]) == [0] and s.drafting  # the request's last token
     for _ in range(60):
-        _drafting_round(s, "r", 1, 1)  # depth 1 only, always accepted
-    shared = s.shared_rates()
-    assert shared[0] > 0.9 and shared[1] > 0.85
-    assert s.acceptance["r"].rates(shared)[1] > 0.85
+        s.observe_cycle("b", 1, 0)  # every draft rejected: plain pays
+    s.forget("a")
+    assert s.plan(["b"], 1, room=[8]) == [0] and not s.drafting
+
 
 def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_deciding(tmp_path):
     """Deciding takes ~0.1 ms of Python: against a 50 ms round every round decides, against a
@@ -108,7 +57,7 @@ def test_a_decision_governs_more_rounds_where_rounds_cost_little_next_to_decidin
     a request joining or leaving, or a due probe, ends the hold at once."""
     def sched(plain_s, log=None):
         s = Scheduler(log_path=log)
-        s.cost.cells = {(1, 0, 0): [(0, plain_s)] * 9, (1, 1, 1): [(0, 2.5 * plain_s)] * 9, (2, 0, 0): [(0, plain_s)] * 9}
+        s.cost.cells = {Cell(1, 0, 0): [(0, plain_s)] * 9, Cell(1, 1, 1): [(0, 2.5 * plain_s)] * 9, Cell(2, 0, 0): [(0, plain_s)] * 9}
         for _ in range(20):
             s.observe_cycle("a", 1, 0)  # the draft is rejected: plain pays
         return s
@@ -144,7 +93,7 @@ def test_a_due_plain_exploration_ends_a_drafting_hold(tmp_path):
     few rounds had put them off, where the decision took 0.5 ms against a 46 ms round)."""
     log = tmp_path / "log.jsonl"
     s = Scheduler(b_max=1, log_path=str(log))
-    s.cost.cells = {(1, 0, 0): [(1, 1.0e-6)] * 3, (1, 1, 1): [(1, 1.26e-6)] * 9}  # k = 1 pays, by less than 1.25×
+    s.cost.cells = {Cell(1, 0, 0): [(1, 1.0e-6)] * 3, Cell(1, 1, 1): [(1, 1.26e-6)] * 9}  # k = 1 pays, by less than 1.25×
     s.cost.rounds = 1
     for i in range(100):
         s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
@@ -166,7 +115,7 @@ def test_a_due_plain_exploration_that_would_not_be_taken_leaves_a_hold_alone(tmp
     again once plain rounds were due (0.6 ms of Python a decision on this CPU)."""
     log = tmp_path / "log.jsonl"
     s = Scheduler(b_max=1, log_path=str(log))
-    s.cost.cells = {(1, 0, 0): [(1, 1.0e-6)] * 3, (1, 1, 1): [(1, 1.1e-6)] * 9}  # k = 1 leads 1.6×
+    s.cost.cells = {Cell(1, 0, 0): [(1, 1.0e-6)] * 3, Cell(1, 1, 1): [(1, 1.1e-6)] * 9}  # k = 1 leads 1.6×
     s.cost.rounds = 1
     for i in range(100):
         s.observe_cycle(f"old{i // 50}", 1, 1)
@@ -182,159 +131,6 @@ def test_a_due_plain_exploration_that_would_not_be_taken_leaves_a_hold_alone(tmp
     assert all(r["allocation"] == [1] for r in late) and sum(bool(r.get("held")) for r in late) >= len(late) // 2  # ... and it held
 
 
-def test_an_unlucky_spell_does_not_stop_drafting_for_good(tmp_path):
-    """A draft accepted 43% of the time, where drafting pays from 25%: a spell of rejections takes
-    the estimate under that, and rounds that draft nothing observe nothing. The estimates fade
-    back toward what the draft showed over the long run, so drafting resumes by a decision, not
-    only by probes (which observe nothing here)."""
-    s = Scheduler(log_path=str(tmp_path / "log.jsonl"))
-    s.cost.cells = {(1, 0, 0): [(0, 0.048)] * 9, (1, 1, 1): [(0, 0.060)] * 9}
-    s.cost.set_apart = [((1, 1, 1), 0.5, "draft catch-up")]
-    assert probe_interval(s.cost.table(), 1, s.cost.counts(), s.cost.catch_up_seconds(1), [0.0]) > 300
-    for i in range(300):
-        s.observe_cycle(f"old{i // 100}", 1, int(i % 7 < 3))  # 3 of 7 accepted
-    for _ in range(8):
-        s.observe_cycle("r", 1, 0)
-    assert s.plan(["r"], 1) == [0]
-    def drafts_by_decision() -> bool:  # probes (here every few rounds: near break-even they cost little) aside
-        drafts = s.plan(["r"], 1) == [1]
-        s.flush_log()
-        return drafts and not json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["probe"]
-    resumed = next(i for i in range(400) if drafts_by_decision())
-    assert resumed < 60
-    assert s.acceptance["r"].rates(s.shared_rates())[0] > 0.25
-
-
-def test_a_change_of_text_is_followed_within_a_few_rounds_and_steady_noise_is_not_taken_for_one():
-    """Four requests whose draft goes from 1 in 5 accepted to every one accepted (the text
-    changed): the server-wide estimate forgets what came before the change within two rounds,
-    where without the short memory it would still be under 0.6; at a steady 9 in 10 (one
-    rejection, in turn) it never forgets."""
-    def run(detect: bool, pattern, rounds: int) -> list[float]:
-        overall = scheduler.Acceptance(scheduler.POSITIONS, detect_change=detect, per_round=True)
-        out = []
-        for i in range(rounds):
-            overall.fade(recent=False)  # a round's decay, as Scheduler.plan applies it
-            for r in range(4):
-                overall.observe(1, pattern(i, r))
-            out.append(overall.rates([0.5] * scheduler.POSITIONS, scheduler.PRIOR_WEIGHT)[0])
-        return out
-
-    change = lambda i, r: int(i >= 20 or (4 * i + r) % 5 == 0)  # noqa: E731
-    with_change, without = run(True, change, 22), run(False, change, 22)
-    assert with_change[19] < 0.35 and without[19] < 0.35  # both saw 1 in 5
-    assert with_change[21] > 0.75 and without[21] < 0.6
-    steady = lambda i, r: int((4 * i + r) % 10 != 0)  # noqa: E731
-    with_steady, without_steady = run(True, steady, 100), run(False, steady, 100)
-    assert with_steady == without_steady
-
-
-def _drafting_round(s: Scheduler, rid: str, k: int, n: int) -> None:
-    """A round in which request rid drafted k and n were accepted, as Scheduler.plan and the
-    engine report it: the round's decay of the server-wide estimate, then the cycle."""
-    s._fade([rid], [k])
-    s.observe_cycle(rid, k, n)
-
-
-def test_the_server_wide_estimate_remembers_rounds_not_cycles():
-    """Four requests a round give the server-wide estimate four cycles a round, and it decays by
-    rounds: it remembers as many rounds as with one request, four times the cycles (decayed per
-    cycle it remembered ~5 rounds, and near break-even its noise decided whether to draft)."""
-    def memory(n: int) -> float:
-        s = Scheduler()
-        ids = [f"r{i}" for i in range(n)]
-        for i in range(200):
-            s._fade(ids, [1] * n)  # a drafting round's decay, as Scheduler.plan applies it
-            for j, rid in enumerate(ids):
-                s.observe_cycle(rid, 1, int((i + j) % 3 == 0))  # a steady 1 in 3
-        return s.overall.tried[0]
-
-    one, four = memory(1), memory(4)
-    assert one == pytest.approx(1 / (1 - scheduler.DECAY), rel=0.05)
-    assert four == pytest.approx(4 * one, rel=0.05)
-
-
-def test_a_change_forgets_the_deeper_positions_server_wide_but_not_in_a_request():
-    """After α = 0.9 text (drafts of 8, nearly all accepted) position 1 starts failing, and the
-    deeper positions, now seldom tried, would keep the old text's rates (the engine drafted 6-8
-    deep into α = 0.2 text). The server-wide estimate forgets them with position 1, so the next
-    few cycles that reach them decide their rates; a request's own estimate keeps them (its own
-    false alarms made α = 0.9 ×4 allocations uneven), and so does a rise."""
-    s = Scheduler()
-    for i in range(20):
-        _drafting_round(s, "r", 8, 8 if i % 10 else 2)
-    deep_before = list(s.overall.tried[1:])
-    for _ in range(3):
-        _drafting_round(s, "r", 8, 0)
-    assert s.overall.tried[0] < 4 and max(s.overall.tried[1:]) < 2 < min(deep_before)
-    assert min(s.acceptance["r"].tried[1:]) > 0.8 * min(deep_before)
-    shared_deep = s.shared_rates()[1]
-    _drafting_round(s, "r", 8, 1)  # the next cycle reaching position 2 fails there
-    assert s.shared_rates()[1] < shared_deep - 0.25
-    rising = Scheduler()  # after a rise, deeper positions are tried often again: nothing to forget
-    for i in range(20):
-        _drafting_round(rising, "r", 8, 0 if i % 10 else 8)
-    for _ in range(5):
-        _drafting_round(rising, "r", 8, 8)
-    assert rising.overall.tried[0] < 4 and rising.overall.tried[4] > 4
-
-
-def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):
-    """Three rejections at a new server's start (α = 0.6, the controlled draft's first hard
-    tokens) made an estimate of 0.14-0.20 that priced its own probes away: no probe in 280 rounds,
-    adaptive 0.87 of k = 1. Until position 1 has FEW_OBSERVED observations over the long run,
-    probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE; a hopeless draft is still left
-    alone."""
-    def first_probe() -> int:
-        s = Scheduler()
-        s.cost.cells = {(1, 0, 0): [(1, 0.033)] * 32, (1, 1, 1): [(1, 0.056)] * 3}
-        s.cost.rounds = 1
-        s.cost.set_apart.extend([((1, 1, 1), 0.20, "draft prefill"), ((1, 0, 0), 0.09, "plain pipeline start"),
-                                 ((1, 0, 0), 0.042, "plain pipeline warm-up"), ((1, 1, 1), 0.03, "look-ahead discarded")])
-        for _ in range(3):
-            s.observe_cycle("first", 1, 0)
-        for i in range(2000):
-            if s.plan(["r"], 1, behind=[True], ahead=[True], pipelined=True)[0]:
-                return i
-        return 2000
-    uncertain = first_probe()
-    monkeypatch.setattr(scheduler.state, "FEW_OBSERVED", 0.0)
-    known = first_probe()
-    assert known > 200 and uncertain <= known * PROBE_SHARE / UNCERTAIN_SHARE + 1
-    hopeless = Scheduler()
-    hopeless.cost.cells = {(1, 0, 0): [(1, 0.0014)] * 32, (1, 1, 1): [(1, 0.0055)] * 3}
-    hopeless.cost.rounds = 1
-    assert not any(hopeless.plan(["r"], 1, ahead=[True], pipelined=True)[0] for _ in range(3 * PROBE_EVERY))
-
-
-def test_drafting_tells_what_the_last_decision_with_room_chose():
-    """The engine starts a lone request's plain pipeline at once only where the scheduler is not
-    drafting; a request's last round, with no room to draft, and a probe leave that as it was."""
-    s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(1, 0.030)] * 9, (1, 1, 1): [(1, 0.036)] * 9}
-    assert not s.drafting  # nothing decided yet
-    for _ in range(40):
-        s.observe_cycle("a", 1, 1)  # every draft accepted: drafting pays
-    assert s.plan(["a"], 1, room=[8])[0] > 0 and s.drafting
-    assert s.plan(["a"], 1, room=[0]) == [0] and s.drafting  # the request's last token
-    for _ in range(60):
-        s.observe_cycle("b", 1, 0)  # every draft rejected: plain pays
-    s.forget("a")
-    assert s.plan(["b"], 1, room=[8]) == [0] and not s.drafting
-
-
-def test_the_simulator_prices_budgets_by_its_table_and_adaptive_follows_the_best():
-    """bench/simulator.py, the quick check of a scheduler change: where drafts are nearly
-    always right k = 4 beats plain rounds by its table's margin and adaptive keeps up with it; where
-    they are always wrong, k = 1 loses and adaptive stays with plain rounds."""
-    easy = sim.Scenario("α=0.9 ×1", lambda p, n: 0.9, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)
-    o = sim.compare(easy, 0)
-    assert o["k=4"] > 1.3 * o["k=0"] and o["adaptive"] > 0.9 * max(o.values())
-    hopeless = sim.Scenario("α=0 ×1", lambda p, n: 0.0, 1, sim.EMBEDDED_X1, runs=4, warm_runs=1)
-    o = sim.compare(hopeless, 0)
-    assert o["k=1"] < 0.8 * o["k=0"] and o["adaptive"] > 0.95 * o["k=0"]
-
-
 def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
     """One probe's observation among SHARED_WEIGHT moves nothing, and probes far apart never fill
     the short memory that sees a change (α 0.9 → 0.2 → 0.9 on one request: one probe every ~48
@@ -343,7 +139,7 @@ def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
     probe that misses is not."""
     def after_a_bad_text() -> Scheduler:
         s = Scheduler()
-        s.cost.cells = {(1, 0, 0): [(0, 0.033)] * 32, (1, 1, 1): [(0, 0.052)] * 32}
+        s.cost.cells = {Cell(1, 0, 0): [(0, 0.033)] * 32, Cell(1, 1, 1): [(0, 0.052)] * 32}
         for _ in range(60):
             s.observe_cycle("r", 1, 0)
         return s
@@ -368,22 +164,118 @@ def test_a_probe_whose_draft_was_accepted_is_followed_by_another():
     assert len(probes) >= 2 and all(b - a > 1 for a, b in zip(probes, probes[1:]))  # a miss: plain again
 
 
-def test_over_plain_rounds_the_server_wide_estimate_fades_to_the_long_run_one():
-    """A draft accepted 3 in 10, then 60 plain rounds: the server-wide estimate's position 1 reads
-    the long-run rate, worth FADE_WEIGHT cycles (the deeper positions fade to nothing, as before),
-    so one probe's miss leaves it near that rate (faded to nothing,
-    the miss took it to ~3/4 of it, and the next probes came as rarely as that priced them: α = 0.3
-    on one request read 0.09-0.20 through a whole run and stayed plain, 0.90 of k = 1)."""
+def test_a_draft_seen_on_few_cycles_is_probed_until_it_is_known(monkeypatch):
+    """Three rejections at a new server's start (α = 0.6, the controlled draft's first hard
+    tokens) made an estimate of 0.14-0.20 that priced its own probes away: no probe in 280 rounds,
+    adaptive 0.87 of k = 1. Until position 1 has FEW_OBSERVED observations over the long run,
+    probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE; a hopeless draft is still left
+    alone."""
+    def first_probe() -> int:
+        s = Scheduler()
+        s.cost.cells = {Cell(1, 0, 0): [(1, 0.033)] * 32, Cell(1, 1, 1): [(1, 0.056)] * 3}
+        s.cost.rounds = 1
+        s.cost.set_apart.extend([(Cell(1, 1, 1), 0.20, "draft prefill"), (Cell(1, 0, 0), 0.09, "plain pipeline start"),
+                                 (Cell(1, 0, 0), 0.042, "plain pipeline warm-up"), (Cell(1, 1, 1), 0.03, "look-ahead discarded")])
+        for _ in range(3):
+            s.observe_cycle("first", 1, 0)
+        for i in range(2000):
+            if s.plan(["r"], 1, behind=[True], ahead=[True], pipelined=True)[0]:
+                return i
+        return 2000
+    uncertain = first_probe()
+    monkeypatch.setattr(scheduler.state, "FEW_OBSERVED", 0.0)
+    known = first_probe()
+    assert known > 200 and uncertain <= known * PROBE_SHARE / UNCERTAIN_SHARE + 1
+    hopeless = Scheduler()
+    hopeless.cost.cells = {Cell(1, 0, 0): [(1, 0.0014)] * 32, Cell(1, 1, 1): [(1, 0.0055)] * 3}
+    hopeless.cost.rounds = 1
+    assert not any(hopeless.plan(["r"], 1, ahead=[True], pipelined=True)[0] for _ in range(3 * PROBE_EVERY))
+
+
+def test_a_late_probe_waits_for_what_its_catch_up_costs():
+    """One request that never drafted, on H200-like costs: a probe 60 rounds in feeds the prompt
+    and every token since (5 pieces), not the median short catch-up; priced by its feed, the
+    probes come further apart."""
     s = Scheduler()
-    for i in range(200):
-        _drafting_round(s, "r", 1, int(i % 10 < 3))
-    for _ in range(60):
-        s._fade(["r"], [0])
-    longrun = s.longrun.rates()[0]
-    assert s.shared_rates()[0] == pytest.approx(longrun, abs=0.01)
-    assert s.overall.tried[0] == pytest.approx(scheduler.FADE_WEIGHT, rel=0.1) and s.overall.tried[1] < 0.1
-    _drafting_round(s, "r", 1, 0)  # a probe's miss
-    assert s.shared_rates()[0] > 0.85 * longrun
+    s.cost.cells = {Cell(1, 0, 0): [(0, 0.006)] * 9, Cell(1, 4, 4): [(0, 0.0165)] * 9}
+    for t in (4, 5, 6, 4, 5, 6):
+        s.cost.set_aside(Cell(1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
+    for _ in range(4):
+        s.observe_cycle("old", 4, 1)  # α ≈ 0.6 at position 1: drafting near break-even
+    s.plan(["r"], 1, behind=[True], pipelined=True)
+    by_median = s._probe_every
+    s._held = None
+    s.plan(["r"], 1, behind=[True], pipelined=True, feeds=[123])
+    assert s._probe_every > by_median
+
+
+def test_plain_rounds_are_measured_again_while_drafting(tmp_path):
+    """Nothing measures plain rounds while drafting pays on paper: a plain figure from one early
+    round (36.7 ms where steady ones cost 33) kept one request drafting at α = 0.3, 8% below plain
+    decoding. A drafting decision gives way to plain rounds every plain_probe_interval rounds (at
+    least PLAIN_GAP): two where plain rounds are pipelined (the first restarts the pipeline and is
+    set apart), and the fresh figure decides; not where drafting leads by EXPLORE_MARGIN or more,
+    which no stale plain figure flips. Replay reproduces the choice from the log."""
+    d = decide([[0.3]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8)
+    assert d.budget == 1 and d.candidates[1].gain == pytest.approx(1.3)
+    assert plain_probe_interval(d, 1) == PLAIN_GAP  # its loss, 1.2 ms a round, is small
+    assert plain_probe_interval(d, 1, restart=0.08, discard=0.006) == 100  # (0.086 + 5 × 1.2 ms) / (2% of 0.0461)
+    assert decide([[0.3]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, explore_plain=True).allocation == [0]
+    assert decide([[0.9]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, explore_plain=True).allocation == [1]  # a 1.5× lead
+    assert decide([[0.05]], 1, {Cell(1, 0, 0): 0.0367, Cell(1, 1, 1): 0.0461}, 8, probe=True, explore_plain=True).allocation == [1]
+    log = tmp_path / "decisions.jsonl"
+    s = Scheduler(log_path=str(log))
+    s.cost.cells = {Cell(1, 0, 0): [(1, 0.0367)] * 3, Cell(1, 1, 1): [(1, 0.0461)] * 9}
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
+    budgets: list[int] = []
+    for i in range(PLAIN_GAP + 8):
+        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
+        if k:
+            s.observe_cycle("r", k, int(i % 3 == 0))
+            s.observe_round(0.0461, True)
+        else:
+            _observe_pipelined_plain(s, budgets, (0.085, 0.042, 0.033))
+        budgets.append(k)
+    assert budgets == [1] * PLAIN_GAP + [0] * 8
+    assert s.cost.table()[Cell(1, 0, 0)] == 0.033
+    assert replay(log.read_text().splitlines()) == []
+
+
+def _observe_pipelined_plain(s: Scheduler, budgets: list[int], costs: tuple[float, float, float]) -> None:
+    """A pipelined plain round as the engine reports it: the first after drafting starts the
+    pipeline, the next ones warm it up (all set apart, PIPELINE_WARM_ROUNDS in all), then steady."""
+    run = len(budgets) - next((i + 1 for i in reversed(range(len(budgets))) if budgets[i]), 0)
+    if run < PIPELINE_WARM_ROUNDS:
+        s.observe_round(costs[min(run, 1)], False, PIPELINE_REASONS[min(run, 1)])
+    else:
+        s.observe_round(costs[2], True)
+
+
+def test_a_plain_cell_of_few_rounds_is_measured_again_soon(tmp_path):
+    """An engine's first plain round (38 ms, against 31 ms steady) was the plain cell's only one,
+    and k = 1 (44 ms) drafted 100 rounds at α = 0.3 before PLAIN_GAP let plain rounds be measured
+    again. While the plain cell has fewer than MIN_SAMPLES rounds, plain rounds are explored
+    every FEW_PLAIN_GAP drafting rounds, and the fresh figures stop the drafting."""
+    log = tmp_path / "decisions.jsonl"
+    s = Scheduler(log_path=str(log))
+    s.cost.cells = {Cell(1, 0, 0): [(1, 0.038)], Cell(1, 1, 1): [(1, 0.044)] * 9}
+    s.cost.rounds = 1
+    for i in range(100):
+        s.observe_cycle(f"old{i // 50}", 1, int(i % 10 < 3))
+    budgets: list[int] = []
+    for i in range(4 * FEW_PLAIN_GAP):
+        k = s.plan(["r"], 1, ahead=[bool(budgets) and budgets[-1] == 0], pipelined=True)[0]
+        if k:
+            s.observe_cycle("r", k, int(i % 10 < 3))
+            s.observe_round(0.044, True)
+        else:
+            _observe_pipelined_plain(s, budgets, (0.076, 0.042, 0.031))
+        budgets.append(k)
+    assert budgets[:FEW_PLAIN_GAP + 1] == [1] * FEW_PLAIN_GAP + [0]
+    assert budgets[-FEW_PLAIN_GAP:] == [0] * FEW_PLAIN_GAP and s.cost.counts()[Cell(1, 0, 0)] >= MIN_SAMPLES
+    assert replay(log.read_text().splitlines()) == []
 
 
 def test_a_plain_figure_of_few_rounds_is_kept_and_explored_whatever_the_lead(tmp_path):
@@ -394,80 +286,141 @@ def test_a_plain_figure_of_few_rounds_is_kept_and_explored_whatever_the_lead(tmp
     than MIN_SAMPLES a due exploration is taken whatever the lead."""
     cm = CostModel()
     for _ in range(2):
-        cm.observe((1, 0, 0), 0.100)
+        cm.observe(Cell(1, 0, 0), 0.100)
     for _ in range(MAX_AGE + 1):
-        cm.observe((1, 3, 3), 0.235)
+        cm.observe(Cell(1, 3, 3), 0.235)
     cm.commit()
     assert cm.table()[Cell(1, 0, 0)] == pytest.approx(0.100)
     s = Scheduler(log_path=str(tmp_path / "log.jsonl"))
-    s.cost.cells = {(1, 0, 0): [(1, 0.100)] * 2, (1, 3, 3): [(1, 0.150)] * 9}
+    s.cost.cells = {Cell(1, 0, 0): [(1, 0.100)] * 2, Cell(1, 3, 3): [(1, 0.150)] * 9}
     s.cost.rounds = FEW_PLAIN_GAP + 1
     for _ in range(40):
         s.observe_cycle("old", 3, 3)
     d = s._decide(["r"], 1, [False], [40])[0]
     lead = _best(d.candidates).objective / d.candidates[0].objective
     assert lead > EXPLORE_MARGIN and d.explored and d.allocation == [0]
-    s.cost.cells[(1, 0, 0)] = [(1, 0.100)] * MIN_SAMPLES  # enough plain rounds: the margin holds
+    s.cost.cells[Cell(1, 0, 0)] = [(1, 0.100)] * MIN_SAMPLES  # enough plain rounds: the margin holds
     assert not s._decide(["r"], 1, [False], [40])[0].explored
 
 
-def test_a_catch_up_is_priced_by_the_pieces_and_tokens_it_feeds():
-    """On the H200 a catch-up costs by its pieces (one launch each), here by its tokens: the fit
-    recovers either from catch-ups of several lags, ignores a shape's first, dear time, and prices
-    a lag never seen (a probe late in a request that never drafted) by what it will feed."""
-    by_pieces = [(0.006 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 5, 6, 7, 12, 13, 20)]
-    assert scheduler.fit_feed(by_pieces) == pytest.approx((0.006, 0.0), abs=1e-9)
-    by_tokens = [(0.001 * t + 0.002 * scheduler.feed_pieces(t), t, scheduler.feed_pieces(t)) for t in (4, 7, 12, 31, 64)]
-    assert scheduler.fit_feed(by_tokens) == pytest.approx((0.002, 0.001), abs=1e-9)
-    cold = by_pieces + [(0.5, 8, 1)]  # one shape's first time
-    assert scheduler.fit_feed(cold) == pytest.approx((0.006, 0.0), abs=1e-9)
-    one_lag = [(0.012, 5, 2)] * 4  # one ratio of tokens to pieces: put on the pieces
-    assert scheduler.fit_feed(one_lag) == pytest.approx((0.006, 0.0))
-    assert scheduler.feed_pieces(109) == 5 and scheduler.feed_pieces(1100) == 2 + 3  # 512, 512, 64, 8, 4
-
-    cm = CostModel()
-    for t in (4, 5, 6, 4, 5):  # short sit-outs, as most catch-ups are
-        cm.set_aside((1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
-    cm.set_aside((1, 0, 0), 0.2, "cancel", (50, 3))  # not a catch-up: not fitted
-    assert len(cm.fed) == 5
-    assert cm.feed_seconds(1, 0) == 0.0
-    assert cm.feed_seconds(1, 109) == pytest.approx(0.030)  # 5 pieces, where the median catch-up is 0.012
-    assert cm.catch_up_seconds(1) == pytest.approx(0.012)
-    assert CostModel().feed_seconds(1, 109) is None  # nothing measured
-    few = CostModel()
-    few.set_aside((1, 4, 4), 0.010, "draft catch-up", (5, 2))
-    assert few.feed_seconds(1, 109) == pytest.approx(0.010)  # too few to fit: the median
-
-
-def test_a_late_probe_waits_for_what_its_catch_up_costs():
-    """One request that never drafted, on H200-like costs: a probe 60 rounds in feeds the prompt
-    and every token since (5 pieces), not the median short catch-up; priced by its feed, the
-    probes come further apart."""
+def test_a_batch_tail_explores_plain_only_where_drafting_leads_narrowly():
+    """With fewer than MIN_SAMPLES plain rounds of an N, a due exploration is taken whatever the lead,
+    except in a batch's tail (N under the most of the last PLAIN_GAP rounds): there its few rounds
+    would all be explorations, and α = 0.9 ×4's tails decoded plain against leads of 1.26-1.50."""
     s = Scheduler()
-    s.cost.cells = {(1, 0, 0): [(0, 0.006)] * 9, (1, 4, 4): [(0, 0.0165)] * 9}
-    for t in (4, 5, 6, 4, 5, 6):
-        s.cost.set_aside((1, 4, 4), 0.006 * scheduler.feed_pieces(t), "draft catch-up", (t, scheduler.feed_pieces(t)))
-    for _ in range(4):
-        s.observe_cycle("old", 4, 1)  # α ≈ 0.6 at position 1: drafting near break-even
-    s.plan(["r"], 1, behind=[True], pipelined=True)
-    by_median = s._probe_every
-    s._held = None
-    s.plan(["r"], 1, behind=[True], pipelined=True, feeds=[123])
-    assert s._probe_every > by_median
+    s.cost.cells = {Cell(4, 0, 0): [(1, 0.08)] * 9, Cell(4, 16, 4): [(1, 0.17)] * 9, Cell(1, 0, 0): [(1, 0.03)]}
+    s.cost.rounds = FEW_PLAIN_GAP + 1
+    for _ in range(40):
+        s.observe_cycle("old", 4, 4)
+    assert min(s._decide(["a", "b", "c", "d"], 4, [False] * 4, [40] * 4)[0].allocation) >= 4
+    tail, _, _, margin = s._decide(["a"], 1, [False], [20])
+    assert s._plain_due(1, 1)  # an exploration is due ...
+    assert not tail.explored and margin == EXPLORE_MARGIN and tail.allocation[0] >= 4  # ... and not taken
+    s.rounds += PLAIN_GAP + 1  # long since 4 were seen: one request is the steady state, explored whatever the lead
+    steady, _, _, margin = s._decide(["a"], 1, [False], [20])
+    assert margin is None and steady.explored and steady.allocation == [0]
 
 
-def test_a_round_with_costs_apart_enters_the_table_at_its_own_time():
-    """A round whose draft first caught up (its catch-up timed apart, with the tokens and pieces it
-    fed) is priced at the round's time, the catch-up kept apart. A whole bench sched run read a
-    338 ms k = 8 round at the 5.8 ms of its catch-up, priced k = 8 at 16 ms on the CPU, and drafted
-    8 deep through α = 0.2: 0.69 of k = 2."""
-    s = Scheduler()
-    for _ in range(3):
-        s.plan(["r"], 1)
-        s._round = (1, 8, 8)
-        s.observe_round(0.338, True, apart={"draft catch-up": (0.0058, 4, 1), "look-ahead taken": (0.017, 0, 0)})
-    s.cost.commit()
-    table, counts = s.cost.table_and_counts()
-    assert counts[Cell(1, 8, 8)] == 3 and table[Cell(1, 8, 8)] == pytest.approx(0.338)
-    assert sorted(why for _, _, why in s.cost.set_apart) == ["draft catch-up"] * 3 + ["look-ahead taken"] * 3
-    assert s.cost.catch_up_seconds(1) == pytest.approx(0.0058)
+class _Ticks:
+    """A decision clock that advances a fixed step each read (as the simulator's does), so two
+    schedulers fed the same rounds hold the same decisions."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _round_input(i: int, rng: random.Random) -> RoundInput:
+    """Round i: one to three joint rows (their number changes every 50 rounds) in every state a row
+    can be in (behind, ahead, out of room), and a baseline request every other 70 rounds."""
+    rows = [RowState(f"r{j}", room=rng.choice([0, 2, 8, 40, 40, 40]), lag=rng.choice([0, 1, 2, 2, 2, 6, 30]),
+                     lacks_prompt=rng.random() < 0.05, ahead=rng.random() < 0.3, plain_run=rng.randint(0, 6),
+                     has_drafted=rng.random() < 0.8) for j in range(1 + (i // 50) % 3)]
+    return RoundInput(rows, len(rows) + (i // 70) % 2, pipelined=len(rows) == 1)
+
+
+def _round_report(inp: RoundInput, plan: RoundPlan, rng: random.Random) -> RoundReport:
+    """The round as it might have run: each draft position right 7 times in 10, a cost by the
+    round's shape, now and then a reason or a cost paid apart."""
+    depth = max(plan.budgets.values(), default=0)
+    cycles = []
+    for r in inp.rows:
+        k = plan.k(r.request_id)
+        cycles.append(CycleReport(r.request_id, k, next((i for i in range(k) if rng.random() > 0.7), k)))
+    apart = {SetApart.DRAFT_CATCH_UP: Paid(0.01, 6, 2)} if depth and rng.random() < 0.2 else {}
+    if rng.random() < 0.1:
+        apart[SetApart.LOOK_AHEAD_TAKEN] = Paid(0.004)
+    seconds = (0.03 * inp.n_requests ** 0.5 + 0.008 * depth + 0.001 * plan.drafted) * rng.uniform(0.9, 1.1)
+    reason = rng.choice([None] * 8 + [SetApart.PLAIN_PIPELINE_START, SetApart.DRAFT_PREFILL])
+    return RoundReport(seconds, reason, apart, 0.002 * depth, cycles)
+
+
+def _plan_as_lists(s: Scheduler, inp: RoundInput) -> RoundPlan:
+    rows = inp.rows
+    ks = s.plan([r.request_id for r in rows], inp.n_requests, [r.behind for r in rows], [r.room for r in rows],
+                [r.ahead for r in rows], inp.pipelined, [r.feed for r in rows])
+    return RoundPlan({r.request_id: k for r, k in zip(rows, ks)})
+
+
+def _observe_as_parts(s: Scheduler, report: RoundReport) -> None:
+    for c in report.cycles:
+        s.observe_cycle(c.request_id, c.k, c.accepted)
+    apart = {why: (p.seconds, p.tokens, p.pieces) for why, p in report.apart.items()}
+    s.observe_round(report.seconds, report.complete, report.reason or "", apart, report.draft_s)
+
+
+def _drive(tmp_path, typed_plan: bool, typed_observe: bool, seed: int = 0, rounds: int = 400) -> tuple[str, str, list]:
+    """The same rounds through two schedulers, one of them through plan_round or observe: both
+    logs, and the plans the typed one made."""
+    rng = random.Random(seed)
+    a, b = (Scheduler(log_path=str(tmp_path / f"{x}.jsonl"), clock=_Ticks(2e-3)) for x in "ab")
+    plans = []
+    for i in range(rounds):
+        inp = _round_input(i, rng)
+        plan = a.plan_round(inp) if typed_plan else _plan_as_lists(a, inp)
+        assert plan == _plan_as_lists(b, inp)
+        plans.append(plan)
+        report = _round_report(inp, plan, rng)
+        a.observe(report) if typed_observe else _observe_as_parts(a, report)
+        _observe_as_parts(b, report)
+        for r in inp.rows:
+            if rng.random() < 0.01:
+                a.forget(r.request_id)
+                b.forget(r.request_id)
+    a.flush_log()
+    b.flush_log()
+    assert a.cost.table_and_counts() == b.cost.table_and_counts() and a.shared_rates() == b.shared_rates()
+    return (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text(), plans
+
+
+def test_plan_round_is_plan_of_the_rows_states(tmp_path):
+    """The typed round (worker/round.py): each row's state gives plan's lists (behind: the prompt
+    or a lag past CATCH_UP_LAG; feed: what that catch-up feeds), and the plan is plan's answer."""
+    typed, lists, plans = _drive(tmp_path, typed_plan=True, typed_observe=False)
+    assert typed == lists and replay(typed.splitlines()) == []
+    assert any(p.drafted for p in plans) and any(not p.drafted for p in plans)  # it drafted, and not always
+    assert '"held": true' in typed  # decisions held, as plan holds them
+    assert any(p.budgets == {"r0": 0, "r1": 0} or p.budgets == {"r0": 0} for p in plans)
+    s = Scheduler(fixed=4)
+    inp = RoundInput([RowState("a", room=2), RowState("b", room=8, lag=6)], 3)
+    plan = s.plan_round(inp)
+    assert plan == RoundPlan({"a": 2, "b": 4}) and plan.drafted == 6 and s._round == Cell(3, 6, 4)
+
+
+def test_observe_is_each_cycle_then_the_round(tmp_path):
+    """A RoundReport observed whole is its cycles (observe_cycle) and then its time (observe_round,
+    the costs paid apart as (seconds, tokens, pieces) by reason)."""
+    typed, parts, _ = _drive(tmp_path, typed_plan=False, typed_observe=True, seed=1)
+    assert typed == parts
+    s = Scheduler(fixed=0)
+    s.plan(["a"], 1)
+    s.observe(RoundReport(0.05, None, {SetApart.DRAFT_CATCH_UP: Paid(0.02, 9, 2)}, 0.0, [CycleReport("a", 0, 0)]))
+    s.plan(["a"], 1)
+    assert s.cost.table() == {Cell(1, 0, 0): 0.05} and list(s.cost.fed) == [(1, 0.02, 9, 2)]
+    s.observe(RoundReport(0.5, SetApart.PREFILL_OR_ERROR, {}, 0.0, [CycleReport("a", 1, 1)]))
+    s.plan(["a"], 1)
+    assert s.cost.set_apart[-1] == (Cell(1, 0, 0), 0.5, SetApart.PREFILL_OR_ERROR) and s.cost.table() == {Cell(1, 0, 0): 0.05}
+    assert s.longrun.tried[0] == 1.0 and s.longrun.accepted[0] == 1.0  # the cycle was observed

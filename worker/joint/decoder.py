@@ -27,7 +27,7 @@ from worker.joint.sampling import SamplingParams, accept_greedy, accept_sampled,
 
 RECOVERY_PATHS = ("fast", "replay")
 DRAFT_TIMED_EVERY = 8  # on a GPU, one drafting cycle in this many waits for its draft before queuing the
-                       # verify, so the draft's step is timed (docs/scheduler.md, "Draft step and the decision log's cost")
+                       # verify, so the draft's step is timed (docs/scheduler.md, "The draft step is timed")
 
 
 @dataclass

@@ -8,41 +8,27 @@ from typing import Sequence
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of each position's prior
 FIRST_PRIOR = 0.5  # position 1 starts as a coin flip: Beta(1, 1)
-DECAY = 0.95  # per observation: acceptance follows the text as it changes
-LONG_DECAY = 0.998  # per observation: what the draft shows over the long run
+DECAY = 0.95  # per observation (the server-wide estimate: per round): acceptance follows the text as it changes
+LONG_DECAY = 0.998  # per observation: what the draft shows over the long run (~500 cycles)
 RECENT_DECAY = 0.7  # a short memory kept beside each estimate's, to see that the text changed
 CHANGE_NATS = 1.5  # log-likelihood ratio (recent observations, short memory's rate against the
                    # estimate's) past which the estimate forgets what came before them
 MIN_RECENT = 1.5  # decayed observations the short memory needs before it is tested
 FADE_WEIGHT = 8.0  # observations of the long-run estimate a server-wide one's position 1 fades to over plain rounds
-SHARED_WEIGHT = 24.0  # pseudo-observations of the server-wide estimate in each request's own: noise
-                      # in each request's estimates makes survivals uneven, and uneven survivals draft
-                      # deeper for the same budget (8: acceptance 0.9 ×4 chose depth 2 where 4 paid, 0.93 of k = 4)
+SHARED_WEIGHT = 24.0  # pseudo-observations of the server-wide estimate in each request's own
 
 
 class Acceptance:
-    """Conditional acceptance per draft position from decayed counts with a Beta prior.
+    """Conditional acceptance per draft position from decayed counts with a Beta prior
+    (docs/scheduler.md, "Acceptance estimates").
 
-    Three levels. The long-run estimate (every cycle the server ran, decaying at LONG_DECAY)
-    takes as prior mean the previous position's estimate (position 1: 0.5): an untried deeper
-    position is taken to be like the one before it, so a draft that is good at shallow positions
-    gets tried deeper, and a bad one does not. The server-wide estimate (DECAY a round, however
-    many requests' cycles the round observed: it follows the text as it changes) takes the long-run
-    one as prior, and a request's own estimate takes the
-    server-wide one as prior (SHARED_WEIGHT observations): it starts from what the server has seen
-    and goes its own way as its text shows, but a few unlucky cycles do not make it look worse
-    than the draft is. For the same reason counts fade without being added to where nothing was
-    tried: a position a cycle did not try (at DECAY, even in the long-run estimate), and every
-    position in a round that drafted nothing (`fade`), so an estimate that an unlucky spell pushed below the point where drafting pays
-    drifts back to what the draft has shown over the long run, and drafting is tried again,
-    instead of stopping for good (no drafts, no observations).
-
-    A change of text (code after prose) moves acceptance at once, and an estimate with ~20
-    observations of memory takes 3-6 cycles to follow it. So each level but the long-run one keeps
-    a short memory (RECENT_DECAY) beside its own; when the recent observations are more likely
-    under the short memory's rate than under the estimate's by CHANGE_NATS, the estimate forgets
-    the older ones (with 4 requests, acceptance switching 0.9/0.2 every 10 cycles, the error of position
-    1 fell from 0.26 to 0.20 in simulation, and at a steady acceptance 0.9 rose from 0.034 to 0.036).
+    Three levels, each the prior of the next: the long-run estimate (LONG_DECAY; prior mean: the
+    previous position's estimate, worth PRIOR_WEIGHT), the server-wide one (DECAY a round) and
+    each request's own (the server-wide one worth SHARED_WEIGHT). Counts fade where nothing was
+    tried: a position a cycle did not try (at DECAY, at every level) and every position in a round
+    that drafted nothing (`fade`). Each level but the long-run one keeps a short memory
+    (RECENT_DECAY); when its recent observations are CHANGE_NATS likelier under its rate than
+    under the estimate's, the estimate forgets the older ones (a change of text).
     """
 
     def __init__(self, max_positions: int, decay: float = DECAY, detect_change: bool = True,
@@ -69,9 +55,8 @@ class Acceptance:
 
     def _forget_before_a_change(self) -> None:
         """A change at position j forgets the older observations there; with `forget_deeper`, a fall
-        forgets them at every deeper position too: once position j fails, the deeper ones are seldom
-        tried and would keep the old text's rates (after acceptance 0.9 the engine drafted 6-8 deep into
-        acceptance 0.2 text). After a rise they are tried often again and follow on their own."""
+        forgets them at every deeper position too (seldom tried after it, they would keep the old
+        text's rates); a rise does not."""
         for j, (ra, rt) in enumerate(zip(self.recent_accepted, self.recent_tried)):
             if rt < MIN_RECENT or self.tried[j] <= rt:
                 continue
@@ -89,9 +74,7 @@ class Acceptance:
     def fade(self, recent: bool = True, toward: Sequence[float] | None = None) -> None:
         """A round without drafts (or, `per_round`, any round): what was seen weighs less; `recent`:
         the short memory too; `toward`: what position 1 fades to, worth FADE_WEIGHT observations once
-        faded (the deeper positions fade to nothing, their prior: held at the long-run rates, which
-        carried the acceptance 0.9 thirds' rates into the acceptance 0.9 → 0.2 → 0.9 rows, they kept drafts 2-8
-        deep through failures, 0.91 of k = 1 in a whole run; 0.99 in a targeted run without)."""
+        faded (the deeper positions fade to nothing, their prior)."""
         d = self.decay
         self.accepted = [a * d for a in self.accepted]
         self.tried = [t * d for t in self.tried]

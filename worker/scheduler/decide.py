@@ -1,5 +1,6 @@
 """The decision: the budget B that maximises tokens per second over the measured costs, with
-probes while drafting is off and plain explorations while it is on; docs/scheduler.md."""
+probes while drafting is off and plain explorations while it is on; docs/scheduler.md, "The
+decision", "Switching" and "Exploration"."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from typing import Sequence
 
 from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell
 from worker.scheduler.allocation import allocate, rank, survivals
-from worker.scheduler.cost import (EXPLORE_MARGIN, HOPELESS_EVERY, MAX_FOLLOW_HIT, PLAIN_GAP, PROBE_EVERY,
-                                   PROBE_SHARE, SWITCH_HORIZON)
 from worker.scheduler.table import _reach, estimate
 
 POSITIONS = 8  # deepest draft of one request
+SWITCH_HORIZON = 16  # rounds a switching cost (a catch-up, a discarded forward, a restart) is spread over
+PROBE_SHARE = 0.02  # probes (and plain explorations) come as often as keeps their expected loss under this share
+PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often
+FEW_OBSERVED = 16.0  # position-1 observations over the long run under which ...
+UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×)
+MAX_FOLLOW_HIT = 0.9  # the chance of a probe's hit that prices its follow-ups at most (9 rounds)
+HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
+PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least
+FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds
+EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this
 
 
 @dataclass(frozen=True)
@@ -29,9 +38,16 @@ class Candidate:
     def to_log(self) -> dict:
         return {"B": self.b, "D": self.d, "cost": self.cost, "gain": self.gain, "objective": self.objective}
 
+    @classmethod
+    def from_log(cls, rec: dict) -> "Candidate":
+        return cls(rec["B"], rec["D"], rec["cost"], rec["gain"], rec["objective"])
+
 
 @dataclass(frozen=True)
 class Decision:
+    """A round's decision: each request's survivals, the budgets weighed, the one chosen and its
+    draft length per request; `explored`: a drafting choice gave way to a plain exploration."""
+
     survival: list[list[float]]
     candidates: list[Candidate]
     budget: int
@@ -43,6 +59,12 @@ class Decision:
         return {"survival": self.survival, "candidates": [c.to_log() for c in self.candidates],
                 "budget": self.budget, "allocation": self.allocation, "explored": self.explored}
 
+    @classmethod
+    def from_log(cls, rec: dict) -> "Decision":
+        """A logged decision (a log from before `explored` was written: False)."""
+        return cls(rec["survival"], [Candidate.from_log(c) for c in rec["candidates"]], rec["budget"],
+                   rec["allocation"], rec.get("explored", False))
+
 
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[Cell, float], b_max: int,
            probe: bool = False, counts: dict[Cell, int] | None = None,
@@ -52,22 +74,15 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
-    whose cost cannot be estimated are skipped; B = 0 is always a candidate. A depth however far
-    past the deepest measured is a candidate (`estimate` extrapolates, optimistically, until its
-    own rounds price it): where the next depth does not pay and a deeper one does, a reach of one
-    depth past the deepest measured never got there (a 0.8 B draft on a GPU at acceptance 0.95: k = 1
-    and 2 lose to plain rounds, k = 4 pays 1.33×; adaptive stayed plain, 0.71 of k = 4). An allocation that drafts for a request whose draft is
-    `behind` (it must first catch up on the prompt or on the cycles it sat out) pays that once:
-    `switch_s` spread over SWITCH_HORIZON rounds is added to its cost, so noise in a near-tie
-    does not start drafting that costs more to start than it gains (`behind` also marks a request
-    whose pipelined plain rounds computed a forward ahead, which drafting throws away). Likewise
-    `stop_s`, what stopping costs (one request's plain rounds restart their pipeline), spread
-    over SWITCH_HORIZON rounds, is added to B = 0: the mode changes only for a clear gain, since
-    every change pays both once. With `probe`, a round that
-    would draft nothing drafts one token for each request, so acceptance keeps being observed;
-    with `explore_plain`, a round that would draft drafts nothing where drafting leads by less than
-    `explore_margin` (None: by any lead), so plain rounds keep being measured (see `plain_probe_interval`).
-    Returns the inputs' derived values and the choice, as logged and replayed.
+    whose cost cannot be estimated are skipped; B = 0 is always a candidate, and so is every depth
+    however far past the deepest measured (`estimate` extrapolates, optimistically). An allocation
+    that drafts for a request whose draft is `behind` (it must first catch up, or its pipelined
+    plain rounds computed a forward ahead that drafting throws away) pays `switch_s` spread over
+    SWITCH_HORIZON rounds; B = 0 pays `stop_s`, what stopping costs, likewise. With `probe`, a
+    round that would draft nothing drafts at least one token for each request (the best drafting
+    candidate's allocation where wider); with `explore_plain`, a round that would draft drafts
+    nothing where drafting leads by less than `explore_margin` (None: by any lead). Returns the
+    inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
@@ -106,9 +121,8 @@ def _best(candidates: list[Candidate]) -> Candidate:
 
 
 def _best_drafting(candidates: list[Candidate]) -> Candidate | None:
-    """The best candidate that drafts (what a probe drafts: where k = 1 costs nearly what k = 8
-    does, as the 0.8 B draft's rounds do on a GPU, a k = 1 probe can never pay, loses more than
-    a deep one, and never observes the deeper positions that decide whether drafting pays)."""
+    """The best candidate that drafts: what a probe drafts, where it is wider than a token a
+    request (a k = 1 probe never observes the deeper positions that decide whether drafting pays)."""
     return _best([c for c in candidates if c.b]) if len(candidates) > 1 else None
 
 
@@ -117,24 +131,15 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
                    behind: bool = False, restart: float = 0.0, drafting: Candidate | None = None,
                    draft_step: float | None = None) -> int:
     """Plain rounds between probes. A probe drafts at least one token for each joint request
-    (`first`: their position-1 estimates), so a change of text shows in one round, not one
-    request's in turn, and the drafting round's cost is measured again; it drafts the best drafting
-    candidate's allocation where that is wider (`drafting`: that candidate of the last decision,
-    its cost and gain). Its expected loss is its cost less the plain time of the tokens it expects
-    (N + the sum of `first`, or the candidate's gain); probes come as often as keeps
-    that under PROBE_SHARE of the plain time between them. Near where drafting pays a probe costs
-    next to nothing and comes every FREE_SIT_OUT rounds, before any draft would have to catch up
-    (unless one is `behind` already: a new request's draft lacks its prompt); else the probe's
-    draft first catches up on the rounds it sat out, and `catch_up`, the median such catch-up,
-    adds to its cost: a useless draft, or a launch-bound one on a GPU, is probed rarely.
-    Unbatched plain rounds compute the next forward ahead; a batched probe throws it away:
-    `discard`, the median such forward, adds to its cost too (an unbatched one takes its token),
-    and so does `restart`, what the plain rounds after it pay to start the pipeline again
-    (Scheduler._stop_seconds; left out, a useless draft was probed once a request and adaptive
-    ran at 0.91 of baseline). Where no depth within reach would beat plain rounds even
-    with every draft accepted, acceptance cannot change the decision, and probes come every
-    HOPELESS_EVERY rounds (a tiny pair whose draft costs as much as its target lost 4% to probes
-    and their catch-ups on requests of 1,536 tokens; a launch-bound draft on a GPU)."""
+    (`first`: their position-1 estimates), or the best drafting candidate's allocation where that
+    is wider (`drafting`: that candidate of the last decision). Its expected loss is its cost less
+    the plain time of the tokens it expects (N + the sum of `first`, or the candidate's gain),
+    plus `discard` (the forward computed ahead that a batched probe throws away), `restart` (what
+    the plain rounds after it pay to start the pipeline again: Scheduler._stop_seconds) and the
+    probes expected to follow a hit; `catch_up`, what its drafts first feed, adds to it unless it
+    comes within FREE_SIT_OUT rounds. Probes come as often as keeps that under PROBE_SHARE of the
+    plain time between them: every FREE_SIT_OUT rounds where a probe costs next to nothing (and no
+    draft is `behind` already), every HOPELESS_EVERY where no depth could pay (`_could_pay`)."""
     plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
     if not plain or probe is None or not first:
         return PROBE_EVERY
@@ -151,8 +156,7 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
 
 def _follow_ups(first: Sequence[float]) -> float:
     """Probe rounds expected to follow a probe (one follows each that any draft hit, chance
-    1 - Π(1 - a1)): at acceptance 0.6 on a GPU a probe was three rounds, not one, and, priced as one,
-    probes cost plain decoding 4-5%."""
+    1 - Π(1 - a1), at most MAX_FOLLOW_HIT)."""
     miss = math.prod(1.0 - min(a, 1.0) for a in first)
     hit = min(1.0 - miss, MAX_FOLLOW_HIT)
     return hit / (1.0 - hit)
@@ -164,8 +168,7 @@ def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, 
     at some depth d within reach (one past the deepest measured: the extrapolation past it is
     optimistic enough to make any draft look worth a probe) or, with the measured `draft_step`,
     at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
-    step more a depth (a GPU's k = 1 cost 3 plain rounds and k = 8 3.5; from k = 1 alone no
-    depth within reach paid, and in simulation acceptance 0.95 stayed plain for whole runs: 0.66 of k = 8)."""
+    step more a depth."""
     reach = _reach(table, n)
     for d in range(1, POSITIONS + 1):
         if d <= reach:
@@ -181,12 +184,11 @@ def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, 
 
 def plain_probe_interval(d: Decision, n_requests: int, restart: float = 0.0, discard: float = 0.0) -> int:
     """Rounds between measurements of plain rounds while drafting (`d`: the drafting decision).
-    Nothing else measures them then, and a figure from another spell keeps drafting that loses or
-    stops drafting that pays. Exploring costs the plain rounds' expected loss against the chosen
-    configuration's time per token, a pipeline's `restart` where plain rounds are pipelined (the
-    first PIPELINE_WARM_ROUNDS of them are set apart, the next measured) and the forward computed ahead that drafting
-    again `discard`s; explorations come as often as keeps that under PROBE_SHARE of the time
-    between them, and at most every PLAIN_GAP rounds."""
+    Exploring costs the plain rounds' expected loss against the chosen configuration's time per
+    token, a pipeline's `restart` where plain rounds are pipelined (the first PIPELINE_WARM_ROUNDS
+    of them are set apart, the next measured) and the forward computed ahead that drafting again
+    `discard`s; explorations come as often as keeps that under PROBE_SHARE of the time between
+    them, and at most every PLAIN_GAP rounds."""
     cands = {c.b: c for c in d.candidates}
     best, plain = cands.get(d.budget), cands.get(0)
     if best is None or plain is None or not d.budget:

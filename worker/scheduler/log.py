@@ -1,5 +1,6 @@
 """The decision log: every decision with its inputs, as JSON lines, and `replay`, which
-recomputes each from its inputs (`verity replay`)."""
+recomputes each from its inputs (`verity replay`); docs/scheduler.md, "The decision log". Cells
+are written "N,B,D" and decisions as `Decision.to_log` writes them, so every log replays."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import json
 from typing import Sequence
 
 from worker.round import Cell
-from worker.scheduler.cost import EXPLORE_MARGIN
-from worker.scheduler.decide import decide
+from worker.scheduler.decide import EXPLORE_MARGIN, Decision, decide
 
 LOG_BATCH = 256  # records encoded together (see DecisionLog.flush)
 
 
 class DecisionLog:
-    """JSON lines, held back and written together: encoded one by one in the decode loop, a
-    record cost a round 3% of its time (docs/scheduler.md, "Draft step and the decision log's cost")."""
+    """JSON lines, held back and encoded together (LOG_BATCH at a time, and at `flush`): encoding
+    each record in the decode loop slowed the rounds."""
 
     def __init__(self, path: str):
         self.file = open(path, "a")
@@ -34,11 +34,13 @@ class DecisionLog:
 
 
 def cells_to_log(cells: dict[Cell, float] | dict[Cell, int]) -> dict[str, float]:
+    """A cost table (or its counts) as the log writes it: keyed "N,B,D"."""
     return {c.key(): v for c, v in cells.items()}
 
 
 def cells_from_log(cells: dict[str, float] | None) -> dict[Cell, float] | None:
     return None if cells is None else {Cell.parse(k): v for k, v in cells.items()}
+
 
 def replay(lines: Sequence[str]) -> list[str]:
     """Recomputes every logged decision from its inputs; returns the differences found."""
@@ -49,14 +51,18 @@ def replay(lines: Sequence[str]) -> list[str]:
         rec = json.loads(line)
         if rec.get("held") or "observed" in rec:
             continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
-        got = decide(rec["acceptance"], rec["n_requests"], cells_from_log(rec["cost_table"]), rec["b_max"], rec["probe"],
-                     cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
-                     rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN))
-        got = got.to_log()
+        got, logged = decide_again(rec).to_log(), Decision.from_log(rec).to_log()
         for key in ("survival", "candidates", "budget", "allocation"):
-            if not _same(got[key], rec[key]):
-                diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {rec[key]!r}, recomputed {got[key]!r}")
+            if not _same(got[key], logged[key]):
+                diffs.append(f"line {i} (round {rec.get('round')}): {key} logged {logged[key]!r}, recomputed {got[key]!r}")
     return diffs
+
+
+def decide_again(rec: dict) -> Decision:
+    """The decision a logged record's inputs give now."""
+    return decide(rec["acceptance"], rec["n_requests"], cells_from_log(rec["cost_table"]), rec["b_max"], rec["probe"],
+                  cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
+                  rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN))
 
 
 def _same(a, b) -> bool:

@@ -7,13 +7,12 @@ import math
 import time
 from typing import Callable, Sequence
 
-from worker.round import PIPELINE_WARM_ROUNDS, Cell, RoundInput, RoundPlan, RoundReport
+from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell, RoundInput, RoundPlan, RoundReport, SetApart
 from worker.scheduler.acceptance import LONG_DECAY, PRIOR_WEIGHT, Acceptance
-from worker.scheduler.cost import (DISCARD_REASONS, EXPLORE_MARGIN, FEW_OBSERVED, FEW_PLAIN_GAP, FREE_SIT_OUT,
-                                   HOPELESS_EVERY, MIN_SAMPLES, PIPELINE_REASONS, PLAIN_GAP, PROBE_EVERY, PROBE_SHARE,
-                                   TAKEN_REASONS, UNCERTAIN_SHARE, CostModel)
-from worker.scheduler.decide import (POSITIONS, Decision, _best, _best_drafting, decide, plain_probe_interval,
-                                     probe_interval)
+from worker.scheduler.cost import DISCARD_REASONS, MIN_SAMPLES, PIPELINE_REASONS, TAKEN_REASONS, CostModel
+from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_OBSERVED, FEW_PLAIN_GAP, HOPELESS_EVERY, PLAIN_GAP, POSITIONS,
+                                     PROBE_EVERY, PROBE_SHARE, UNCERTAIN_SHARE, Candidate, Decision, _best,
+                                     _best_drafting, decide, plain_probe_interval, probe_interval)
 from worker.scheduler.log import DecisionLog, cells_to_log
 from worker.scheduler.table import estimate
 
@@ -23,7 +22,8 @@ MAX_HOLD = 16  # ... so where rounds take a few ms, one decision governs up to t
 
 
 class Scheduler:
-    """Chooses each round's draft lengths: adaptive (the rule above) or fixed per request."""
+    """Chooses each round's draft lengths: adaptive (`decide` over the acceptance estimates and
+    the cost model) or fixed per request; docs/scheduler.md."""
 
     def __init__(self, fixed: int | None = None, b_max: int = DEFAULT_B_MAX, log_path: str | None = None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -31,23 +31,19 @@ class Scheduler:
         self.fixed, self.b_max, self.clock = fixed, b_max, clock
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
-        # every request's cycles: each request's prior. Only here does a change forget the deeper
-        # positions too: each request's own false alarms (two rejections at acceptance 0.9) then reset its
-        # deeper positions, and acceptance 0.9 ×4 drafted unevenly ((3, 4, 3, 4)), 0.91 of k = 4
-        # it decays by rounds, not by cycles: with 4 requests, decayed per cycle, it remembered ~5
-        # rounds, and its position-1 reading at acceptance 0.3 wandered 0.14-0.33 across the point where
-        # k = 1 pays (0.21; realised 0.27), which decided the row's near-tie by noise
+        # the server-wide estimate, every request's prior: it decays by rounds, not cycles, and only
+        # here does a fall forget the deeper positions too (docs/scheduler.md, "Acceptance estimates")
         self.overall = Acceptance(POSITIONS, forget_deeper=True, per_round=True)
         self.longrun = Acceptance(POSITIONS, LONG_DECAY, detect_change=False)  # the same over the long run: overall's prior
         self.rounds = 0
         self.rounds_without_draft = 0
-        self._round: tuple[int, int, int] | None = None
+        self._round: Cell | None = None  # the planned round's cell, until its time is observed
         self._log = DecisionLog(log_path) if log_path else None
         self._held: tuple[list[str], list[int]] | None = None  # the last decision: (requests, lengths)
         self._hold_left = 0  # rounds it still governs
         self._probe_every = PROBE_EVERY
         self._plain_every: dict[int, int] = {}  # by N: drafting rounds between plain rounds measured
-        self._drafting_best: dict[int, dict | None] = {}  # by N: the last decision's best drafting candidate (what a probe drafts)
+        self._drafting_best: dict[int, Candidate | None] = {}  # by N: the last decision's best drafting candidate (what a probe drafts)
         self._drafting = False  # see `drafting`
         self._probing = False  # this round is a probe
         self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
@@ -71,9 +67,7 @@ class Scheduler:
             lengths: list[int] = []
         elif self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
-        elif self._held and self._held[0] == joint_ids and self._hold_left > 0 and not self._probe_hit \
-                and (self.rounds_without_draft < self._probe_every or any(self._held[1])) \
-                and not (any(self._held[1]) and self._explorable and self._plain_due(n_requests)):
+        elif self._holds(joint_ids, n_requests):
             self._hold_left -= 1
             lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
             if self._log:
@@ -87,8 +81,7 @@ class Scheduler:
             self._probing = bool(d.budget) and probe and _best(d.candidates).b == 0
             self._held = (list(joint_ids), lengths)
             self._hold_left = 0 if probe else self._hold_rounds(d, decide_s)
-            # a due plain exploration ends the hold only where it would be taken (a lead under EXPLORE_MARGIN):
-            # at acceptance 0.95 on a GPU, k = 8 leading 2×, every round decided again once plain rounds were due
+            # a due plain exploration ends the hold only where it would be taken (a lead under the margin)
             best, plain = _best(d.candidates), d.candidates[0]
             self._explorable = margin is None or best.objective < margin * plain.objective
             if d.explored and pipelined:  # the first plain rounds restart the pipeline: measure the next
@@ -97,8 +90,18 @@ class Scheduler:
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
         if self.fixed is None:
             self._fade(joint_ids, lengths)
-        self._round = (n_requests, drafted, max(lengths, default=0))
+        self._round = Cell(n_requests, drafted, max(lengths, default=0))
         return lengths
+
+    def _holds(self, joint_ids: list[str], n_requests: int) -> bool:
+        """The last decision governs this round too: the same requests, rounds of its hold left, and
+        no probe due or followed (where it drafts nothing) nor a plain exploration due that would
+        be taken (where it drafts)."""
+        if not self._held or self._held[0] != joint_ids or self._hold_left <= 0 or self._probe_hit:
+            return False
+        drafts = any(self._held[1])
+        return (self.rounds_without_draft < self._probe_every or drafts) \
+            and not (drafts and self._explorable and self._plain_due(n_requests))
 
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
                 caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False,
@@ -109,26 +112,12 @@ class Scheduler:
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
-        catch_up = probe_catch_up = self.cost.catch_up_seconds(n_requests)
-        if feeds is not None and catch_up is not None:  # priced by the tokens each draft would feed:
-            # now, where drafting starts now, and, for a probe, at least what one after a sit-out feeds (FREE_SIT_OUT + 1 rounds: 4 tokens)
-            catch_up = sum(self.cost.feed_seconds(n_requests, f) for f in feeds)
-            probe_catch_up = sum(self.cost.feed_seconds(n_requests, max(f, FREE_SIT_OUT + 2)) for f in feeds)
+        catch_up, probe_catch_up = self._catch_up_seconds(n_requests, feeds)
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
-        self._probe_every = probe_interval(table, n_requests, counts, probe_catch_up, [r[0] for r in rates if r],
-                                           discard, any(behind or []), restart, self._drafting_best.get(n_requests),
-                                           self.cost.draft_step(n_requests))
-        if self.longrun.tried[0] < FEW_OBSERVED and self._probe_every != HOPELESS_EVERY:
-            # a guess from a few cycles (3 early rejections at acceptance 0.6 read 0.14-0.20), priced by that
-            # guess, kept probes away for 280 rounds; every PROBE_EVERY rounds, with a pipeline restart
-            # after each, they cost acceptance 0.3 on one request 10%: until the draft is known, 5× as often
-            self._probe_every = max(PROBE_EVERY, math.ceil(self._probe_every * PROBE_SHARE / UNCERTAIN_SHARE))
-        # a probe whose draft was accepted is followed by another: one observation among SHARED_WEIGHT
-        # moves nothing, and probes far apart never fill the short memory that sees a change (acceptance 0.9
-        # → 0.2 → 0.9, one request: probes every ~48 plain rounds, each hit lost, plain through the
-        # acceptance 0.9 thirds; 0.89 of k = 1). Consecutive hits do: three forget the older rate
-        probe = self.rounds_without_draft >= self._probe_every or self._probe_hit
+        self._probe_every = self._probe_interval(table, counts, n_requests, rates, probe_catch_up, discard,
+                                                 any(behind or []), restart)
+        probe = self.rounds_without_draft >= self._probe_every or self._probe_hit  # a probe that hit: another
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
@@ -136,14 +125,7 @@ class Scheduler:
         stop_s = restart if not any(ahead) else 0.0
         plain_rounds = counts.get(Cell(n_requests, 0, 0), 0)
         explore = self._plain_due(n_requests, plain_rounds)
-        # with fewer than MIN_SAMPLES plain rounds the lead itself is a guess: explore whatever it is (at acceptance 0.6
-        # on one request two plain rounds in 370, the plain round priced as k = 1's, k = 3 led 1.9× and nothing
-        # measured plain again: 0.80 of k = 1)
-        # ... but not in a batch's tail (N under the last PLAIN_GAP rounds' most): its few rounds would all be
-        # explorations (acceptance 0.9 ×4: tails of 1-3 requests decoded plain against leads of 1.26-1.50)
-        if n_requests >= self._peak[0] or self.rounds - self._peak[1] > PLAIN_GAP:
-            self._peak = (n_requests, self.rounds)
-        margin = EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES or n_requests < self._peak[0] else None
+        margin = self._explore_margin(n_requests, plain_rounds)
         draft_step = self.cost.draft_step(n_requests)
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
@@ -158,13 +140,42 @@ class Scheduler:
                               "explore_margin": margin, "draft_step_s": draft_step, **d.to_log()})
         return d, probe, decide_s, margin
 
+    def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None) -> tuple[float | None, float | None]:
+        """What the drafts' catch-ups cost: where drafting starts now, and for a probe, which feeds
+        at least what a draft feeds after FREE_SIT_OUT + 1 plain rounds; by the tokens each feeds
+        where `feeds` are known, else the median catch-up."""
+        catch_up = probe_catch_up = self.cost.catch_up_seconds(n)
+        if feeds is not None and catch_up is not None:
+            catch_up = sum(self.cost.feed_seconds(n, f) for f in feeds)
+            probe_catch_up = sum(self.cost.feed_seconds(n, max(f, FREE_SIT_OUT + 2)) for f in feeds)
+        return catch_up, probe_catch_up
+
+    def _probe_interval(self, table: dict[Cell, float], counts: dict[Cell, int], n: int, rates: list[list[float]],
+                        catch_up: float | None, discard: float | None, behind: bool, restart: float) -> int:
+        """Plain rounds between probes (`probe_interval`); until position 1 has FEW_OBSERVED
+        observations over the long run, probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE."""
+        every = probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
+                               self._drafting_best.get(n), self.cost.draft_step(n))
+        if self.longrun.tried[0] < FEW_OBSERVED and every != HOPELESS_EVERY:
+            every = max(PROBE_EVERY, math.ceil(every * PROBE_SHARE / UNCERTAIN_SHARE))
+        return every
+
+    def _explore_margin(self, n: int, plain_rounds: int) -> float | None:
+        """The lead under which a due plain exploration is taken: EXPLORE_MARGIN; any lead (None)
+        while the plain cell has fewer than MIN_SAMPLES rounds, except in a batch's tail (N under
+        the most a decision saw in the last PLAIN_GAP rounds)."""
+        if n >= self._peak[0] or self.rounds - self._peak[1] > PLAIN_GAP:
+            self._peak = (n, self.rounds)
+        return EXPLORE_MARGIN if plain_rounds >= MIN_SAMPLES or n < self._peak[0] else None
+
     def _plain_due(self, n: int, plain_rounds: int | None = None) -> bool:
-        """Plain rounds of n requests are due to be measured again (see `plain_probe_interval`);
-        `plain_rounds`: the plain cell's count (None: its rounds kept, as a hold checks it)."""
+        """Plain rounds of n requests are due to be measured again (see `plain_probe_interval`;
+        FEW_PLAIN_GAP while the plain cell has fewer than MIN_SAMPLES rounds); `plain_rounds`: the
+        plain cell's count (None: its rounds kept, as a hold checks it)."""
         if plain_rounds is None:
-            plain_rounds = len(self.cost.cells.get((n, 0, 0), ()))
+            plain_rounds = len(self.cost.cells.get(Cell(n, 0, 0), ()))
         gap = self._plain_every.get(n, PLAIN_GAP) if plain_rounds >= MIN_SAMPLES else FEW_PLAIN_GAP
-        return self.cost.rounds - self.cost.newest((n, 0, 0)) >= gap
+        return self.cost.rounds - self.cost.newest(Cell(n, 0, 0)) >= gap
 
     def _stop_seconds(self, table: dict[Cell, float], counts: dict[Cell, int], n: int) -> float:
         """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
@@ -181,11 +192,8 @@ class Scheduler:
 
     @staticmethod
     def _hold_rounds(d: Decision, decide_s: float) -> int:
-        """Further rounds a decision governs: none where a round costs much more than deciding
-        (the embedded model's 50 ms), up to MAX_HOLD where it does not (a tiny model's 2 ms round
-        against 0.1-0.2 ms of Python), judged by the chosen round's estimated cost. A probe is one
-        round; a new or finished request, a due probe or a due plain exploration that would be
-        taken (drafting leads by less than EXPLORE_MARGIN) ends a hold; room caps apply every round."""
+        """Further rounds a decision governs: as many as keep deciding under DECISION_SHARE of
+        them, judged by the chosen round's estimated cost, MAX_HOLD at most (see `_holds`)."""
         cost = next(c.cost for c in d.candidates if c.b == d.budget)
         return min(MAX_HOLD, int(decide_s / (DECISION_SHARE * cost)))
 
@@ -194,15 +202,14 @@ class Scheduler:
         return self.overall.rates(self.longrun.rates(), PRIOR_WEIGHT)
 
     def _fade(self, joint_ids: list[str], lengths: list[int]) -> None:
+        """A round's fading: each request that drafted nothing, and the server-wide estimate (every
+        round: it decays by rounds)."""
         for rid, k in zip(joint_ids, lengths):
             if not k:
                 self._acceptance(rid).fade()
         if joint_ids and (self.overall.per_round or not any(lengths)):
-            # over plain rounds the server-wide estimate fades to the long-run one, worth FADE_WEIGHT
-            # cycles, not to nothing: faded to nothing, the next probe's one cycle was most of it, a
-            # miss took it to 2/3 of the long-run rate, and the next probes came as rarely as that
-            # priced them (acceptance 0.3 on one request read 0.09-0.20 for a whole run and stayed plain
-            # where k = 1 paid 11%: 0.90 of k = 1)
+            # over plain rounds the server-wide estimate's position 1 fades to the long-run one, worth
+            # FADE_WEIGHT cycles, not to nothing
             plain = not any(lengths)
             self.overall.fade(recent=plain, toward=self.longrun.rates() if plain else None)
 
@@ -224,7 +231,8 @@ class Scheduler:
         if self._log:
             self._log.flush()
 
-    def observe_round(self, seconds: float, complete: bool, reason: str = "", apart: dict | None = None,
+    def observe_round(self, seconds: float, complete: bool, reason: SetApart | str = "",
+                      apart: dict[SetApart | str, float | tuple[float, int, int]] | None = None,
                       draft_s: float = 0.0) -> None:
         """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
         catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds, or (seconds,
@@ -233,7 +241,7 @@ class Scheduler:
             return
         if self._log:
             self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
-                          "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
+                              "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
         for why, paid in (apart or {}).items():
             paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
             self.cost.set_aside(self._round, paid_s, why, tuple(fed))
@@ -243,7 +251,7 @@ class Scheduler:
             self.cost.set_aside(self._round, seconds, reason)
         self._round = None
 
-    def interrupt(self, reason: str) -> None:
+    def interrupt(self, reason: SetApart | str) -> None:
         """The last observed round turned out not to be a complete one."""
         self.cost.interrupt(reason)
 

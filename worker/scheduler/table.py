@@ -1,19 +1,15 @@
-"""Reading a logged cost table: a cell's cost from its own rounds, its neighbours' or another
-N's (interpolated, bounded by cells that do more work); docs/scheduler.md, "The cost table"."""
+"""Reading a cost table: a cell's cost from its own rounds, its neighbours' or another N's
+(interpolated, bounded by cells that do more work); docs/scheduler.md, "The cost table"."""
 
 from __future__ import annotations
-
 
 from worker.round import Cell
 from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates
 
+
 def _cells(table: dict[Cell, float], n: int) -> list[tuple[int, int, float]]:
-    out = []
-    for key, v in table.items():
-        kn, kb, kd = key
-        if kn == n:
-            out.append((kb, kd, v))
-    return out
+    """The (B, D, cost) of every cell of N requests."""
+    return [(key.b, key.d, v) for key, v in table.items() if key.n == n]
 
 
 def _along(points: dict[int, float], x: int) -> float:
@@ -45,11 +41,8 @@ def _from_other_n(table: dict[Cell, float], n: int, d: int) -> float | None:
 
 
 def _stand_in(table: dict[Cell, float], n: int) -> int | None:
-    """For N requests of which nothing is measured, the nearest other N whose plain round is: its
-    rounds of the same drafts a request price this N's (see `_interpolate`). A batch's tail met
-    each smaller N unmeasured and decoded plain, and one request's plain rounds, pipelined, are
-    set apart for PIPELINE_WARM_ROUNDS after a start: a short tail never measured them, and every
-    tail of acceptance 0.9 ×4 ran plain (tails of 36 rounds against k = 4's 6, 0.87 of k = 4)."""
+    """For N requests of which nothing is measured (a batch's tail), the nearest other N whose
+    plain round is: its rounds of the same drafts a request price this N's (see `_interpolate`)."""
     if _cells(table, n):
         return None
     plain = [k.n for k in table if (k.b, k.d) == (0, 0)]
@@ -70,7 +63,7 @@ def _reach(table: dict[Cell, float], n: int) -> int:
 
 def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
              draft_step: float | None = None) -> float | None:
-    """Cost of a round from a logged table (see CostModel); None when nothing of this N is known.
+    """Cost of a round from a table (`CostModel.table()`, or a logged one); None when nothing of this N is known.
 
     A round never costs more than a measured one that does more work (at least as many tokens
     and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
@@ -88,6 +81,11 @@ def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell
 
 
 def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: float | None = None) -> float | None:
+    """A cell's own figure; else along B among cells of its (N, D), else along D from the cheapest
+    cell of each measured depth; past the deepest measured depth from the nearest other N that
+    measured it (scaled by the plain rounds' ratio), else at the cheapest step per depth measured
+    so far (one drafting depth measured: PRIOR_SLOPE × the plain round), and no more than
+    `draft_step` a depth more. Optimistic, so that a deeper draft that might pay gets tried."""
     exact = table.get(Cell(n, b, d))
     if exact is not None:
         return exact
