@@ -187,9 +187,11 @@ class Engine:
         self._apply_cancels(events)
         with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
             if self._waiting and len(self._active) < self.config.max_active:
-                with self._lock:  # admission prefills (with reuse, up to the prompt's boundaries)
+                with self._lock:  # a joint request's admission prefills (with reuse, to its boundaries)
                     admitted = list(self._waiting)[: self.config.max_active - len(self._active)]
-                blas_threads.use(self._params * sum(len(r.prompt) for r in admitted))
+                joint = sum(len(r.prompt) for r in admitted if r.req.mode == "joint")
+                if joint:  # a baseline one's prefill is the batch's, in its rounds
+                    blas_threads.use(self._params * joint)
             self._admit(events)
             self._round(events)
         if not self._active:  # idle: the decision log's held-back records go out now
