@@ -27,6 +27,18 @@ def test_ties_go_by_request_then_position():
     assert allocate([[0.5, 0.5], [0.5]], 2) == [2, 0]
 
 
+def test_ties_are_decided_on_rounded_scores_not_float_noise():
+    # 0.7 * 0.7 is 0.48999999999999994 in doubles: equal to B1's 0.49 at the stated precision
+    surv = [survivals([0.7, 0.7]), survivals([0.49])]
+    assert surv[0][1] < surv[1][0]
+    assert rank(surv) == [(0, 1), (0, 2), (1, 1)]
+    assert allocate(surv, 2) == [2, 0]
+    # noise below the precision is a tie; a difference above it still ranks
+    assert rank([[0.3], survivals([0.5, 0.6])]) == [(1, 1), (0, 1), (1, 2)]
+    assert rank([[0.3], [0.3 + 1e-15]]) == [(0, 1), (1, 1)]
+    assert rank([[0.3], [0.3 + 2e-9]]) == [(1, 1), (0, 1)]
+
+
 def _oracle(surv, budget):
     """Every prefix-closed allocation of exactly `budget` positions; the best total survival."""
     best, winners = -1.0, []

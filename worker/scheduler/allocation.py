@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
+
+# Scores equal to this many decimal places are ties: 0.7 * 0.7 (0.48999999999999994) ties 0.49.
+TIE_DECIMALS = 9
 
 
 def survivals(acceptance: Sequence[float]) -> list[float]:
@@ -15,10 +19,16 @@ def survivals(acceptance: Sequence[float]) -> list[float]:
     return out
 
 
+def tie_key(s: float) -> int:
+    """The score as ranked: s rounded half up to TIE_DECIMALS places, as an integer (the web UI
+    computes the same double operations)."""
+    return math.floor(s * 10**TIE_DECIMALS + 0.5)
+
+
 def rank(survival: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
-    """All (request, position) candidates, positions 1-based, by survival descending;
-    equal scores go by request order, then position."""
-    cands = [(-s, r, j + 1) for r, row in enumerate(survival) for j, s in enumerate(row)]
+    """All (request, position) candidates, positions 1-based, by survival descending; scores
+    equal to TIE_DECIMALS places go by request order, then position."""
+    cands = [(-tie_key(s), r, j + 1) for r, row in enumerate(survival) for j, s in enumerate(row)]
     return [(r, j) for _, r, j in sorted(cands)]
 
 
