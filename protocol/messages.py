@@ -6,14 +6,14 @@ Nothing here imports MLX or aiohttp.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 Mode = Literal["baseline", "joint"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -21,41 +21,138 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 # ---- the one request schema (CLI, web UI and OpenAI API all send this) ----
 
 
+class ContentPart(Struct, forbid_unknown_fields=True):
+    """One part of a message's `content` list: `text` (or an assistant's `refusal`) is served;
+    the other OpenAI part types are decoded only to be refused by name."""
+
+    type: str
+    text: Optional[str] = None
+    refusal: Optional[str] = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class FunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class Message(Struct, forbid_unknown_fields=True):
     role: Role
-    content: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    refusal: Optional[str] = None  # an assistant turn that refused: rendered as its content
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class Tool(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+# how a call appears in generated text (Hermes/Qwen's format; worker/tools.py renders it, the gateway parses it)
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = None  # the JSON schema (absent: any JSON object)
+    strict: Optional[bool] = None  # true: a keyword the grammar cannot enforce is refused, not ignored
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """OpenAI chat/completions fields verity implements, plus its own extensions.
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Prompt = Union[str, list[Union[str, TokenId, list[TokenId]]]]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+MAX_N = 8  # choices per prompt (each one a row of the batch)
+MAX_TOP_LOGPROBS = 20
 
-    Exactly one of `messages` (chat) and `prompt` (raw completion) is set.
+
+class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenAI chat/completions fields verity implements, plus its own extensions. Every
+    optional field takes null for its default; an omitted sampling field (None) gets the
+    server's default (worker/defaults.py).
+
+    Exactly one of `messages` (chat) and `prompt` (raw completion) is set. What reaches the
+    worker has one prompt (a string or token ids) and n of 1: the gateway splits the rest.
     Range rules live in protocol.schema.check_request.
     """
 
     model: Optional[str] = None
     messages: Optional[list[Message]] = None
-    prompt: Optional[str] = None
+    prompt: Optional[Prompt] = None
     max_tokens: Optional[Annotated[int, Meta(ge=1)]] = None
     max_completion_tokens: Optional[Annotated[int, Meta(ge=1)]] = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    temperature: Optional[Annotated[float, Meta(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Meta(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[int, Meta(ge=0)]] = None  # 0: off
+    min_p: Optional[Annotated[float, Meta(ge=0.0, le=1.0)]] = None
+    repetition_penalty: Optional[Annotated[float, Meta(gt=0.0, le=10.0)]] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    logit_bias: Optional[dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]]] = None
+    logprobs: Union[bool, Annotated[int, Meta(ge=0, le=5)], None] = None  # chat: a bool; completions: 0-5 alternatives
+    top_logprobs: Optional[Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    n: Optional[Annotated[int, Meta(ge=1, le=MAX_N)]] = 1  # null: 1 (check_request normalizes every null to its default)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
     seed: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
     stop: Union[str, list[str], None] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    mode: Mode = "baseline"
-    thinking: Optional[bool] = None
-    ignore_eos: bool = False
-    # OpenAI fields accepted only at their neutral values
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None  # json_object, json_schema: grammar-constrained (worker/grammar.py)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None  # null: "auto" with tools, else "none"
+    parallel_tool_calls: Optional[bool] = None  # null: true
+    # OpenAI fields accepted only as null (or their neutral value): protocol.schema.NULL_ONLY
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    best_of: Optional[Annotated[int, Meta(ge=1)]] = None
+    # verity's own
+    mode: Optional[Mode] = "baseline"
+    thinking: Optional[bool] = None
+    ignore_eos: Optional[bool] = False
 
 
 # ---- gateway -> worker ----
@@ -81,6 +178,18 @@ class DropOrphans(Struct, tag=True):
 # ---- handshake and supervision ----
 
 
+class SamplingDefaults(Struct, frozen=True):
+    """What a request that omits a sampling field gets (launch-stack's flags, else the model's
+    generation_config.json, else its card's recommendation, else OpenAI's neutral values)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: Optional[int] = None  # None: until the context is full, within --max-tokens-cap
+    source: str = "openai"  # where the sampling values came from: flags, generation_config, model_card, openai
+
+
 class Ready(Struct, tag=True):
     process: str  # "worker" | "gateway" | "cache"
     pid: int
@@ -91,6 +200,7 @@ class Ready(Struct, tag=True):
     joint_available: bool = False
     draft_id: Optional[str] = None
     url: str = ""
+    defaults: SamplingDefaults = SamplingDefaults()
 
 
 class WorkerDown(Struct, tag=True):
@@ -135,10 +245,27 @@ class Started(Struct, tag=True):
     prompt_tokens: int
 
 
+class TopLogprob(Struct):
+    token: str  # the token's own text (bytes that are not UTF-8 alone come out as U+FFFD)
+    logprob: float
+    bytes: list[int]  # the token's UTF-8 bytes
+
+
+class TokenLogprob(Struct):
+    """An emitted token's log-probability under the target (after logits processors, before
+    temperature and truncation) and the most likely tokens at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = []
+
+
 class TextDelta(Struct, tag=True):
     request_id: str
     text: str
     token_ids: list[int]
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, when the request asked
 
 
 class Finished(Struct, tag=True):

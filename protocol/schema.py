@@ -11,15 +11,17 @@ from protocol.messages import GenerateRequest
 
 # OpenAI fields verity does not implement: refused by name, never silently ignored.
 UNSUPPORTED_FIELDS = frozenset(
-    "tools tool_choice functions function_call parallel_tool_calls response_format logprobs "
-    "top_logprobs logit_bias audio modalities prediction service_tier store metadata "
-    "reasoning_effort web_search_options best_of echo suffix top_k min_p repetition_penalty".split()
+    "functions function_call".split()
 )
+# OpenAI fields accepted as null or their neutral value only (anything else: refused by name).
+NULL_ONLY = {"audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
+             "web_search_options": None, "best_of": 1, "store": False, "service_tier": "auto", "suffix": ""}
+SERVED_PARTS = ("text", "refusal")  # content part types; image, audio and file parts are refused by name
 MAX_STOP_STRINGS = 4
 
 Endpoint = Literal["chat", "completion"]
 _decoder = msgspec.json.Decoder(GenerateRequest)
-_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+_PATH_RE = re.compile(r" - at `(?:key` in `)?\$\.?([^`]*)`$")  # "key in": a dict's key
 _UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`")
 
 
@@ -48,7 +50,7 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
 
 def _validation_error(text: str) -> RequestInvalid:
     path = _PATH_RE.search(text)
-    param = (path.group(1) if path else None) or None
+    param = (path.group(1).replace("[...]", "") if path else None) or None  # "[...]": a dict's value
     unknown = _UNKNOWN_RE.match(text)
     if unknown:
         name = unknown.group(1)
@@ -62,27 +64,15 @@ def _validation_error(text: str) -> RequestInvalid:
 
 def check_request(req: GenerateRequest, endpoint: Endpoint) -> GenerateRequest:
     """Rules that span fields or that types cannot say; normalizes max_tokens and stop."""
-    if endpoint == "chat":
-        if req.prompt is not None:
-            raise RequestInvalid("`prompt` belongs to /v1/completions; chat takes `messages`", "prompt")
-        if not req.messages:
-            raise RequestInvalid("`messages` is required and must not be empty", "messages")
-    else:
-        if req.messages is not None:
-            raise RequestInvalid("`messages` belongs to /v1/chat/completions; completions take `prompt`", "messages")
-        if req.prompt is None:
-            raise RequestInvalid("`prompt` is required", "prompt")
+    _check_endpoint(req, endpoint)
+    _normalize_nulls(req)
     a, b = req.max_tokens, req.max_completion_tokens
     if a is not None and b is not None and a != b:
         raise RequestInvalid(
             f"`max_tokens` ({a}) and its alias `max_completion_tokens` ({b}) differ", "max_completion_tokens"
         )
     req.max_tokens, req.max_completion_tokens = (a if a is not None else b), None
-    if req.n != 1:
-        raise RequestInvalid("`n` > 1 is not supported by verity", "n", "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
-            raise RequestInvalid(f"`{name}` other than 0 is not supported by verity", name, "unsupported_parameter")
+    _check_logprobs(req, endpoint)
     if isinstance(req.stop, str):
         req.stop = [req.stop]
     if req.stop is not None:
@@ -95,6 +85,100 @@ def check_request(req: GenerateRequest, endpoint: Endpoint) -> GenerateRequest:
     return req
 
 
+def _check_endpoint(req: GenerateRequest, endpoint: Endpoint) -> None:
+    if endpoint == "chat":
+        if req.prompt is not None:
+            raise RequestInvalid("`prompt` belongs to /v1/completions; chat takes `messages`", "prompt")
+        if not req.messages:
+            raise RequestInvalid("`messages` is required and must not be empty", "messages")
+        for i, msg in enumerate(req.messages):
+            _check_message(msg, i)
+        if req.echo:
+            raise RequestInvalid("`echo` belongs to /v1/completions", "echo")
+    else:
+        if req.messages is not None:
+            raise RequestInvalid("`messages` belongs to /v1/chat/completions; completions take `prompt`", "messages")
+        if req.prompt is None:
+            raise RequestInvalid("`prompt` is required", "prompt")
+        split_prompts(req.prompt)  # checks the list's shape
+    for name, neutral in NULL_ONLY.items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise RequestInvalid(f"`{name}` is not supported by verity (only null{'' if neutral is None else f' or {neutral!r}'})",
+                                 name, "unsupported_parameter")
+
+
+def _check_message(msg, i: int) -> None:
+    """Content parts: text (and an assistant's refusal) only; content may be null only on an
+    assistant turn that carries a refusal or tool calls."""
+    where = f"messages[{i}].content"
+    if msg.content is None:
+        if msg.role != "assistant" or (msg.refusal is None and not msg.tool_calls):
+            raise RequestInvalid(f"`{where}` is required for a {msg.role} message", where)
+        return
+    if isinstance(msg.content, str):
+        return
+    for j, part in enumerate(msg.content):
+        if part.type not in SERVED_PARTS:
+            raise RequestInvalid(f"`{where}[{j}]`: content parts of type `{part.type}` are not supported: this "
+                                 "server's model reads text only", f"{where}[{j}].type", "unsupported_content")
+        if part.type == "refusal" and msg.role != "assistant":
+            raise RequestInvalid("a `refusal` part belongs to an assistant message", f"{where}[{j}].type")
+        value = part.text if part.type == "text" else part.refusal
+        if value is None:
+            raise RequestInvalid(f"`{where}[{j}]`: a `{part.type}` part needs its `{part.type}` string",
+                                 f"{where}[{j}].{part.type}")
+
+
+def _normalize_nulls(req: GenerateRequest) -> None:
+    """A null for a field with a fixed default means that default."""
+    req.n = 1 if req.n is None else req.n
+    req.stream, req.echo, req.ignore_eos = bool(req.stream), bool(req.echo), bool(req.ignore_eos)
+    req.mode = req.mode or "baseline"
+
+
+def _check_logprobs(req: GenerateRequest, endpoint: Endpoint) -> None:
+    lp = req.logprobs
+    if endpoint == "chat":
+        if lp is not None and not isinstance(lp, bool):
+            raise RequestInvalid("`logprobs` of a chat request is true or false (alternatives: `top_logprobs`)", "logprobs")
+        if req.top_logprobs is not None and not lp:
+            raise RequestInvalid("`top_logprobs` needs `logprobs`: true", "top_logprobs")
+    else:
+        if isinstance(lp, bool):
+            raise RequestInvalid("`logprobs` of a completion request is an integer 0-5 (alternatives per token)", "logprobs")
+        if req.top_logprobs is not None:
+            raise RequestInvalid("`top_logprobs` belongs to chat; completions take `logprobs`: N", "top_logprobs")
+        if lp is not None and req.echo:
+            raise RequestInvalid("`logprobs` with `echo` (the prompt's log-probabilities) is not supported by verity",
+                                 "echo", "unsupported_parameter")
+
+
+def top_logprobs(req: GenerateRequest) -> Optional[int]:
+    """Alternatives wanted per emitted token; None when no log-probabilities are asked for."""
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    if req.logprobs is True:
+        return req.top_logprobs or 0
+    return req.logprobs
+
+
+def split_prompts(prompt) -> list:
+    """A completion's prompts: a string, a list of strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestInvalid("`prompt` must not be an empty list", "prompt")
+    kinds = {type(p) for p in prompt}
+    if kinds == {int}:
+        return [list(prompt)]
+    if len(kinds) > 1:
+        raise RequestInvalid("`prompt` mixes strings, token ids and lists of token ids", "prompt")
+    if kinds == {list} and not all(prompt):
+        raise RequestInvalid("`prompt` holds an empty list of token ids", "prompt")
+    return list(prompt)
+
+
 def resolve_max_tokens(req: GenerateRequest, cap: int) -> GenerateRequest:
     """Applies the server's cap: a larger explicit value is refused, a missing one gets the cap."""
     if req.max_tokens is None:
@@ -102,3 +186,12 @@ def resolve_max_tokens(req: GenerateRequest, cap: int) -> GenerateRequest:
     elif req.max_tokens > cap:
         raise RequestInvalid(f"`max_tokens` ({req.max_tokens}) exceeds this server's cap of {cap}", "max_tokens")
     return req
+
+
+def message_text(msg) -> str:
+    """A message's text: its string, its text parts joined by newlines, or an assistant's refusal."""
+    if msg.content is None:
+        return msg.refusal or ""
+    if isinstance(msg.content, str):
+        return msg.content
+    return "\n".join(p.text if p.type == "text" else (p.refusal or "") for p in msg.content)

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from protocol import codec, messages as m
-from protocol.schema import UNSUPPORTED_FIELDS, RequestInvalid, parse_request, resolve_max_tokens
+from protocol.schema import (UNSUPPORTED_FIELDS, RequestInvalid, message_text, parse_request, resolve_max_tokens,
+                             split_prompts, top_logprobs)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -72,7 +73,7 @@ def test_valid_request_is_normalized():
 @pytest.mark.parametrize("fields,param,words", [
     ({"temperature": 2.5}, "temperature", "<= 2.0"),
     ({"temperature": -1}, "temperature", ">= 0.0"),
-    ({"temperature": "hot"}, "temperature", "Expected `float`"),
+    ({"temperature": "hot"}, "temperature", "Expected `float | null`"),
     ({"top_p": 0}, "top_p", "> 0.0"),
     ({"top_p": 1.5}, "top_p", "<= 1.0"),
     ({"max_tokens": 0}, "max_tokens", ">= 1"),
@@ -80,7 +81,7 @@ def test_valid_request_is_normalized():
     ({"max_completion_tokens": -3}, "max_completion_tokens", ">= 1"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "differ"),
     ({"seed": -1}, "seed", ">= 0"),
-    ({"stream": "yes"}, "stream", "Expected `bool`"),
+    ({"stream": "yes"}, "stream", "Expected `bool | null`"),
     ({"mode": "fast"}, "mode", "Invalid enum value 'fast'"),
     ({"thinking": "no"}, "thinking", "Expected `bool"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
@@ -90,14 +91,28 @@ def test_valid_request_is_normalized():
     ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "unknown field"),
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "Invalid enum value 'robot'"),
-    ({"messages": [{"role": "user"}]}, "messages[0]", "missing required field `content`"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content", "Expected `str`"),
-    ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name", "unknown field"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "is required for a user message"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "needs its `text`"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type", "`image_url` are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0].type", "`input_audio` are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "alt": 1}]}]},
+     "messages[0].content[0].alt", "unknown field"),
+    ({"messages": [{"role": "user", "content": "x", "nick": "n"}]}, "messages[0].nick", "unknown field"),
     ({"prompt": "x"}, "prompt", "belongs to /v1/completions"),
     ({"foo": 1}, "foo", "unknown field `foo`"),
-    ({"n": 2}, "n", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": 1}, "frequency_penalty", "not supported"),
+    ({"n": 9}, "n", "<= 8"),
+    ({"n": 0}, "n", ">= 1"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "regex"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "<= 100.0"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs `logprobs`: true"),
+    ({"logprobs": 3}, "logprobs", "true or false"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "<= 20"),
+    ({"echo": True}, "echo", "belongs to /v1/completions"),
+    ({"audio": {"voice": "x"}}, "audio", "not supported"),
+    ({"store": True}, "store", "not supported"),
 ])
 def test_schema_rejections_name_the_field(fields, param, words):
     e = reject(body(**fields))
@@ -127,6 +142,35 @@ def test_malformed_bodies(raw, words):
 def test_completion_endpoint_rules():
     assert "belongs to /v1/chat/completions" in reject(body(), "completion").message
     assert reject(b"{}", "completion").param == "prompt"
+    for prompt, words in (([], "empty list"), (["a", 1], "mixes"), ([[1], []], "empty list of token ids")):
+        e = reject(json.dumps({"prompt": prompt}).encode(), "completion")
+        assert e.param == "prompt" and words in e.message
+    for fields, param in (({"logprobs": True}, "logprobs"), ({"logprobs": 1, "echo": True}, "echo"),
+                          ({"suffix": "end"}, "suffix"), ({"top_logprobs": 1}, "top_logprobs")):
+        assert reject(json.dumps({"prompt": "x", **fields}).encode(), "completion").param == param
+
+
+def test_what_openai_clients_send_is_accepted():
+    """null for every optional field; content parts, developer, name, refusal; prompt arrays."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "max_tokens", "stop", "seed", "stream_options", "user",
+                               "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                               "top_k", "min_p", "repetition_penalty", "store", "metadata", "service_tier",
+                               "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+                               "stream", "mode", "ignore_eos")}
+    r = parse_request(body(**nulls), "chat")
+    assert (r.n, r.stream, r.mode, r.temperature, r.ignore_eos) == (1, False, "baseline", None, False)
+    msgs = [{"role": "developer", "content": [{"type": "text", "text": "be brief"}], "name": "ops"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "refusal": "no"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "still no"}]},
+            {"role": "user", "content": "ok", "name": "bob"}]
+    r = parse_request(json.dumps({"messages": msgs, "logprobs": True, "top_logprobs": 3, "n": 2}).encode(), "chat")
+    assert [message_text(x) for x in r.messages] == ["be brief", "a\nb", "no", "still no", "ok"]
+    assert top_logprobs(r) == 3
+    for prompt, split in (("x", ["x"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])):
+        c = parse_request(json.dumps({"prompt": prompt, "echo": False, "suffix": None, "logprobs": 2}).encode(),
+                          "completion")
+        assert split_prompts(c.prompt) == split and top_logprobs(c) == 2
 
 
 def test_max_tokens_cap():

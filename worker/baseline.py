@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 from mlx_lm.generate import BatchGenerator
 
 from worker.round import Paid, RowState, SetApart
-from worker.sampling import make_request_sampler
+from worker.sampling import Chosen, RowSampling, SamplingParams, chosen
 from worker.state.reuse import Held
 
 NO_LIMIT = 1 << 40  # the batch never ends a row itself: the engine ends it (stop, length, cancel)
@@ -39,7 +39,8 @@ class BaselineBatch:
         cuts = [cached] + row.boundaries + [len(prompt)]
         segments = [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
         uid = self.gen.insert_segments([segments], caches=[cache] if cache is not None else None,
-                                       samplers=[row.sampler])[0]
+                                       all_tokens=[prompt[:cached]], samplers=[row.sampling.sampler],
+                                       logits_processors=[row.sampling.processors])[0]
         self.rows[uid] = row
         self._to_prefill[uid] = max(0, len(prompt) - cached - 1)
         return uid
@@ -54,7 +55,7 @@ class BaselineBatch:
             if p.end_of_segment and not p.end_of_prompt and p.uid in self.rows:
                 self.rows[p.uid].boundary_reached(lambda uid=p.uid: self.cache_of(uid))
         for r in generated:
-            self.rows[r.uid].deliver(r.token)
+            self.rows[r.uid].deliver(r.token, r.logprobs)
 
     def cache_of(self, uid: int) -> list:
         return self.gen.extract_cache([uid])[uid][0]
@@ -71,15 +72,18 @@ class BaselineRow:
 
     def __init__(self, batch: BaselineBatch, prompt: list[int], temperature: float, top_p: float,
                  seed: Optional[int], cache: Optional[list] = None, cached: int = 0,
-                 boundaries: Sequence[int] = (), on_boundary: Optional[Callable[[int, list], None]] = None):
+                 boundaries: Sequence[int] = (), on_boundary: Optional[Callable[[int, list], None]] = None,
+                 sampling: Optional[RowSampling] = None):
         """`boundaries`: prompt lengths past `cached` where `on_boundary(length, cache)` is told
-        the prefill reached them (prefix reuse keeps a snapshot there)."""
+        the prefill reached them (prefix reuse keeps a snapshot there). `sampling` (its sampler,
+        processors and log-probabilities) replaces the plain one of temperature, top_p and seed."""
         self.batch, self.tokens = batch, list(prompt)  # the prompt and every token emitted
         self.boundaries, self.on_boundary = list(boundaries), on_boundary
         self._reached = 0
-        self.sampler = make_request_sampler(temperature, top_p, seed)
+        self.sampling = sampling or RowSampling(SamplingParams(temperature, top_p), seed)
+        self.chosen: list[Chosen] = []  # the log-probabilities of the last advance's tokens, when asked
         self.started, self.stats, self.last_cycle, self.draft_s = False, None, (0, 0), 0.0
-        self._delivered: list[int] = []
+        self._delivered: list[tuple[int, object]] = []
         self.uid = batch.join(self, prompt, cache, cached)
 
     def boundary_reached(self, cache: Callable[[], list]) -> None:
@@ -87,15 +91,18 @@ class BaselineRow:
             self.on_boundary(self.boundaries[self._reached], cache())
         self._reached += 1
 
-    def deliver(self, token: int) -> None:
-        self._delivered.append(token)
+    def deliver(self, token: int, logprobs) -> None:
+        self._delivered.append((token, logprobs))
 
     def state(self, request_id: str, tokens_left: int) -> Optional[RowState]:
         return None  # the scheduler only counts it
 
     def advance(self, k: int = 0, last: bool = False) -> list[int]:
         """The tokens the round's shared step gave it (none while its prompt is prefilled)."""
-        out, self._delivered = self._delivered, []
+        got, self._delivered = self._delivered, []
+        out = [t for t, _ in got]
+        top = self.sampling.logprobs
+        self.chosen = [] if top is None else [chosen(lp, t, top) for t, lp in got]
         self.started = self.started or bool(out)
         self.tokens += out
         return out

@@ -24,12 +24,12 @@ from worker.baseline import BaselineBatch, BaselineRow
 from worker.joint.batch import joint_round
 from worker.joint.decoder import CycleStats, JointDecoder
 from worker.joint.draft import Drafter
-from worker.joint.sampling import SamplingParams
 from worker.loader import LoadedModel
 from worker.round import Group, Row, joint_group, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
-from worker.text import StopMatcher, StreamingDetokenizer, render_prompt
+from worker.sampling import Chosen, SamplingInvalid, sampling_for
+from worker.text import PromptInvalid, StopMatcher, StreamingDetokenizer, render_prompt
 
 
 @dataclass
@@ -43,6 +43,7 @@ class EngineConfig:
     batch_verify: bool = True  # joint requests of a round share batched draft and verify forwards
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
+    defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
 
 
 class RequestError(Exception):
@@ -69,6 +70,7 @@ class _Request:
     last_token_at: float = 0.0
     plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
+    chosen: list[Chosen] = field(default_factory=list)  # log-probabilities of the tokens being emitted
 
 
 class _Totals:
@@ -114,6 +116,7 @@ class Engine:
         self._reserved = 0  # bytes the admitted requests' worst cases hold
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
+        self.vocab_size = len(getattr(lm.tokenizer, "_tokenizer", lm.tokenizer))
 
     # ---- any thread ----
 
@@ -122,7 +125,13 @@ class Engine:
         if req.mode == "joint" and self.draft is None:
             raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none (start launch-stack with --draft)", param="mode")
         try:
-            prompt = render_prompt(self.lm.tokenizer, req)
+            sampling_for(req, self.config.defaults, self.vocab_size)  # fills omitted fields; checks token ids
+        except SamplingInvalid as e:
+            raise RequestError("invalid_token_id", str(e), param=e.param) from None
+        try:
+            prompt = render_prompt(self.lm.tokenizer, req, self.vocab_size)
+        except PromptInvalid as e:
+            raise RequestError("invalid_prompt", str(e), param="prompt") from None
         except Exception as e:  # a template may raise on odd conversations
             raise RequestError("invalid_prompt", f"the prompt could not be rendered: {e}", param="messages") from None
         if not prompt:
@@ -211,6 +220,7 @@ class Engine:
 
         def emit(row: Row, tokens: list[int]) -> int:
             r, kept = by_id[row.request_id], 0
+            r.chosen = list(getattr(r.decoder, "chosen", []))
             for token in tokens:
                 kept += 1
                 if self._on_token(r, token, events):
@@ -281,26 +291,29 @@ class Engine:
             self.totals.prompt_tokens += len(r.prompt)
             self._active.append(r)
             events.append(m.Started(r.id, len(r.prompt)))
+            if r.req.echo:  # completions: the prompt's text first
+                events.append(m.TextDelta(r.id, r.detok._decode(r.prompt), []))
 
     def _decoder(self, r: _Request) -> "BaselineRow | JointDecoder":
         """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.
         A joint request prefills on to its boundaries now; a baseline one in the batch's chunks,
         its boundary snapshots kept as the chunks reach them."""
         req, reuse = r.req, self.reuse if r.plan else None
+        sampling = sampling_for(req, self.config.defaults, self.vocab_size)
         if req.mode == "joint":
             s = reuse.start(r.plan, r.prompt, True) if reuse else Start()
-            params = SamplingParams(req.temperature, req.top_p)
+            params = sampling.params
             drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
                        else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
                                     s.draft_cache, r.prompt[: s.draft_pos]))
             return JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
-                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first())
+                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first(), sampling)
         if reuse is None:
-            return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed)
+            return BaselineRow(self.baseline, r.prompt, 0.0, 1.0, None, sampling=sampling)
         s = reuse.restored(r.plan, r.prompt, False)
-        return BaselineRow(self.baseline, r.prompt, req.temperature, req.top_p, req.seed, s.cache, s.pos,
+        return BaselineRow(self.baseline, r.prompt, 0.0, 1.0, None, s.cache, s.pos,
                            reuse.boundaries(r.plan, s.pos, len(r.prompt)),
-                           lambda b, cache: reuse.keep_boundary(r.plan, r.prompt[:b], cache))
+                           lambda b, cache: reuse.keep_boundary(r.plan, r.prompt[:b], cache), sampling=sampling)
 
     def _on_token(self, r: _Request, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""
@@ -314,13 +327,21 @@ class Engine:
         if token in self.eos_ids and not r.req.ignore_eos:
             return self._finish(r, "stop", events)
         text, stopped = r.stop.feed(r.detok.add(token))
+        lp = [self._token_logprob(r.chosen.pop(0))] if r.chosen else None
         if text or not stopped:
-            events.append(m.TextDelta(r.id, text, [token]))
+            events.append(m.TextDelta(r.id, text, [token], lp))
         if stopped:
             return self._finish(r, "stop", events, flush=False)
         if len(r.tokens) >= r.req.max_tokens or len(r.prompt) + len(r.tokens) >= self.lm.context_limit:
             return self._finish(r, "length", events)
         return False
+
+    def _token_logprob(self, c: Chosen) -> m.TokenLogprob:
+        def text(t: int) -> str:
+            return self.lm.tokenizer.decode([t])
+
+        top = [m.TopLogprob(text(t), lp, list(text(t).encode())) for t, lp in c.top]
+        return m.TokenLogprob(text(c.token), c.logprob, list(text(c.token).encode()), top)
 
     def _finish(self, r: _Request, reason: str, events: list, flush: bool = True) -> bool:
         """Emits the end of a request; the caller releases it after recovering its state."""

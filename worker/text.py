@@ -5,13 +5,34 @@ from __future__ import annotations
 from typing import Optional
 
 from protocol.messages import GenerateRequest
+from protocol.schema import message_text
 
 
-def render_prompt(tokenizer, req: GenerateRequest) -> list[int]:
-    """Token ids of the request's prompt: the chat template for messages, raw text otherwise."""
-    if req.messages is None:
+class PromptInvalid(ValueError):
+    """A prompt the model cannot take (a token id outside its vocabulary)."""
+
+
+def render_prompt(tokenizer, req: GenerateRequest, vocab_size: Optional[int] = None) -> list[int]:
+    """Token ids of the request's prompt: the chat template for messages, raw text otherwise,
+    or the token ids a completion request sent."""
+    if req.messages is not None:
+        return _render(tokenizer, req, len(req.messages), add_generation_prompt=True)
+    if isinstance(req.prompt, str):
         return list(tokenizer.encode(req.prompt))
-    return _render(tokenizer, req, len(req.messages), add_generation_prompt=True)
+    bad = [t for t in req.prompt if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise PromptInvalid(f"token id {bad[0]} is outside this model's vocabulary of {vocab_size}")
+    return list(req.prompt)
+
+
+def template_message(msg, template: Optional[str]) -> dict:
+    """A message as a chat template takes it: its text, `developer` as `system` where the template
+    knows no such role, and `name` passed on (templates that know it render it)."""
+    role = "system" if msg.role == "developer" and "developer" not in (template or "") else msg.role
+    out = {"role": role, "content": message_text(msg)}
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
 
 
 def message_boundaries(tokenizer, req: GenerateRequest, prompt: list[int]) -> list[int]:
@@ -32,9 +53,12 @@ def message_boundaries(tokenizer, req: GenerateRequest, prompt: list[int]) -> li
 
 
 def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_prompt: bool) -> list[int]:
-    msgs = [{"role": m.role, "content": m.content} for m in req.messages[:n_messages]]
-    kwargs = {} if req.thinking is None else {"enable_thinking": req.thinking}
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper would force a thinking default
+    template = getattr(hf, "chat_template", None)
+    msgs = [template_message(m, template if isinstance(template, str) else None) for m in req.messages[:n_messages]]
+    kwargs: dict = {}
+    if req.thinking is not None:
+        kwargs["enable_thinking"] = req.thinking
     text = hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 

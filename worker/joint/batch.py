@@ -36,7 +36,7 @@ def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[i
     cks = [d.prepare_verify(k) for d, k in zip(decoders, budgets)]
     logits = verify_batch(decoders, [dr for dr, _ in drafts])
     share = (t1 - t0) / len(decoders)
-    return [d.accept(dr, qs, logits[i, : len(dr) + 1], ck, share, t1)
+    return [d.accept(dr, qs, d.process_verify(logits[i, : len(dr) + 1], dr), ck, share, t1)
             for i, (d, (dr, qs), ck) in enumerate(zip(decoders, drafts, cks))]
 
 

@@ -24,6 +24,7 @@ from worker.state import checkpoint as st
 from worker.state.reuse import Held
 from worker.joint.draft import Drafter, pow2_pieces
 from worker.joint.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
+from worker.sampling import Chosen, RowSampling, chosen, log_softmax, process
 
 RECOVERY_PATHS = ("fast", "replay")
 DRAFT_TIMED_EVERY = 8  # on a GPU, one drafting cycle in this many waits for its draft before queuing the
@@ -62,13 +63,18 @@ class CycleStats:
 class JointDecoder:
     def __init__(self, target, drafter: Drafter, prompt: list[int], params: SamplingParams,
                  seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512,
-                 cache: Optional[list] = None, cached: int = 0, pipelined_start: bool = False):
+                 cache: Optional[list] = None, cached: int = 0, pipelined_start: bool = False,
+                 sampling: Optional[RowSampling] = None):
         """`cache`, holding the prompt's first `cached` tokens: start from a restored state (the
         drafter likewise holds a prefix of the prompt; start() feeds each what it lacks).
-        `pipelined_start`: plain cycles are likely first (see `start`)."""
+        `pipelined_start`: plain cycles are likely first (see `start`). `sampling`: the request's
+        logits processors (applied to every target position) and log-probabilities wanted."""
         if recovery not in RECOVERY_PATHS:
             raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
         self.target, self.drafter, self.params = target, drafter, params
+        self.processors = sampling.processors if sampling else []
+        self.top_logprobs = sampling.logprobs if sampling else None
+        self.chosen: list[Chosen] = []  # log-probabilities of the last advance's tokens, when asked
         self.recovery, self.prefill_step = recovery, prefill_step
         self.cache = st.make_cache(target) if cache is None else cache
         self.cached = cached
@@ -77,10 +83,11 @@ class JointDecoder:
         self.key_fn = make_key_fn(seed)
         self.stats = CycleStats()
         self._pending: Optional[tuple] = None
-        self._ahead: Optional[tuple] = None  # (the next token, in flight; checkpoint without y)
+        self._ahead: Optional[tuple] = None  # (the next token, in flight; its log-probs; checkpoint without y)
         self._plain_run = 0  # plain cycles since the pipeline (re)started
         self._apart: dict[SetApart, Paid] = {}  # switching costs paid on their own
         self._taken: Optional[tuple] = None  # this cycle began with the look-ahead's token: states before it
+        self._taken_chosen: list[Chosen] = []  # that token's log-probabilities, when asked
         self.draft_s = 0.0  # what the last drafting cycle's proposal took (its share, batched; 0: not timed)
         self.last_cycle = (0, 0)  # (drafted, accepted) of the last cycle
         self._drafting_cycles = 0
@@ -116,14 +123,15 @@ class JointDecoder:
         self.started = True
         prompt = self.tokens
         st.prefill(self.target, self.cache, prompt[self.cached : -1], self.prefill_step)
-        y = self._pick(self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1])
+        y, lp = self._pick(self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1], self._context())
         if pipelined:
             mx.async_eval(y)
             ahead_ck = st.checkpoint(self.cache)  # the prompt, without y
-            self._ahead = (self._next_token(y), ahead_ck)
+            self._ahead = (*self._next_token(y, self._context(y)), ahead_ck)
             mx.async_eval(self._ahead[0])
             self._plain_run = 1
         self.tokens.append(y.item())
+        self.chosen = self._chosen([(lp, self.tokens[-1])])
         return self.tokens[-1]
 
     # ---- one cycle ----
@@ -151,6 +159,7 @@ class JointDecoder:
         # the verify is queued behind the draft's steps before either is read: one wait a cycle, and
         # on a GPU the host builds the verify while the device drafts
         logits = self.target(mx.concatenate([mx.array([self.tokens[-1]]), proposed])[None], cache=self.cache)[0]
+        logits = process(self.processors, self._context(proposed), logits)
         choices = mx.argmax(logits, axis=-1) if self.params.greedy else None
         mx.async_eval(logits if choices is None else choices)
         drafted = proposed.tolist()
@@ -174,6 +183,7 @@ class JointDecoder:
             return []
         t0 = time.perf_counter()
         tok = self._ahead[0].item()
+        self._taken_chosen = self._chosen([(self._ahead[1], tok)])
         self._ahead = None
         self.tokens.append(tok)
         self._pay_apart(SetApart.LOOK_AHEAD_TAKEN, time.perf_counter() - t0)
@@ -185,34 +195,55 @@ class JointDecoder:
         t0 = time.perf_counter()
         st.set_record(self.cache, False)
         if self._ahead is None:  # (re)start: this token's forward runs on its own, the next one queued after it
-            token = self._next_token(self.tokens[-1])
+            token, lp = self._next_token(self.tokens[-1], self._context())
             mx.async_eval(token)
             self._plain_run = 0
         else:
-            token = self._ahead[0]
+            token, lp = self._ahead[:2]
         self._plain_run += 1
         self._ahead = None
         if not last:
             ahead_ck = st.checkpoint(self.cache)  # the cache now holds y: this one does not hold the token
-            self._ahead = (self._next_token(token), ahead_ck)
+            self._ahead = (*self._next_token(token, self._context(token)), ahead_ck)
             mx.async_eval(self._ahead[0])
         tok = token.item()
+        self.chosen = self._chosen([(lp, tok)])
         self._pending = ([], [tok], None)
         self.stats.cycles += 1
         self.stats.verify_s += time.perf_counter() - t0
         self.last_cycle = (0, 0)
         return [tok]
 
-    def _next_token(self, y) -> mx.array:
-        """The target's next token after y (lazy), feeding y to the cache."""
+    def _next_token(self, y, context: Optional[mx.array]) -> tuple[mx.array, Optional[mx.array]]:
+        """The target's next token after y (lazy), feeding y to the cache; `context`: the tokens
+        through y, for the processors."""
         x = mx.array([[y]]) if isinstance(y, int) else y.reshape(1, 1)
-        return self._pick(self.target(x, cache=self.cache)[0, -1])
+        return self._pick(self.target(x, cache=self.cache)[0, -1], context)
 
-    def _pick(self, logits: mx.array) -> mx.array:
-        """The target's token from its logits (lazy)."""
+    def _pick(self, logits: mx.array, context: Optional[mx.array]) -> tuple[mx.array, Optional[mx.array]]:
+        """The target's token from its logits after the processors (lazy), and its position's
+        log-probabilities when they are asked for."""
+        logits = process(self.processors, context, logits[None])[0] if context is not None else logits
+        lp = log_softmax(logits) if self.top_logprobs is not None else None
         if self.params.greedy:
-            return mx.argmax(logits)
-        return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn())
+            return mx.argmax(logits), lp
+        return mx.random.categorical(mx.log(token_probs(logits, self.params)), key=self.key_fn()), lp
+
+    def _context(self, *ahead: mx.array) -> Optional[mx.array]:
+        """The tokens through the next input (the processors' context): self.tokens, then the
+        lazy tokens in `ahead`; None without processors."""
+        if not self.processors:
+            return None
+        return mx.concatenate([mx.array(self.tokens), *(a.reshape(-1).astype(mx.int32) for a in ahead)])
+
+    def process_verify(self, logits: mx.array, drafted: list[int]) -> mx.array:
+        """Verify logits of [y, d1..dk] after the processors, position by position (batched verifies)."""
+        return process(self.processors, self._context(mx.array(drafted, dtype=mx.int32)), logits)
+
+    def _chosen(self, picked: list[tuple[Optional[mx.array], int]]) -> list[Chosen]:
+        if self.top_logprobs is None:
+            return []
+        return [chosen(lp, tok, self.top_logprobs) for lp, tok in picked]
 
     def _stop_recording(self) -> None:
         st.set_record(self.cache, False)
@@ -226,7 +257,7 @@ class JointDecoder:
         if self._ahead is not None:
             t0 = time.perf_counter()
             mx.eval(self._ahead[0])
-            st.rollback(self.cache, self._ahead[1])
+            st.rollback(self.cache, self._ahead[2])
             self._ahead = None
             self._pay_apart(SetApart.LOOK_AHEAD_DISCARDED, time.perf_counter() - t0)
 
@@ -294,6 +325,10 @@ class JointDecoder:
         n, own = self.decide(drafted, qs, logits, choices)
         k = len(drafted)
         emitted = drafted[:n] + [own]
+        taken, self._taken_chosen = self._taken_chosen, []
+        if self.top_logprobs is not None:
+            lp = log_softmax(logits[: n + 1])
+            self.chosen = taken + self._chosen([(lp[j], t) for j, t in enumerate(emitted)])
         self._pending = (drafted, emitted, ck)
         s = self.stats
         s.cycles += 1

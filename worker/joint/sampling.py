@@ -3,28 +3,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
 
+from worker.sampling import SamplingParams, log_softmax, truncate
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["SamplingParams", "token_probs", "accept_greedy", "accept_sampled", "make_key_fn"]
 
 
 def token_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """The distribution baseline sampling draws from: top-p on the log-probs, then temperature."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
+    """The distribution baseline sampling draws from: mlx-lm's truncation chain on the
+    log-probs (worker/sampling.py), then temperature."""
+    logprobs = truncate(log_softmax(logits), params)
     return mx.softmax(logprobs.astype(mx.float32) / params.temperature, axis=-1)
 
 
