@@ -21,6 +21,7 @@ from gateway.openapi import describe
 from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens
+from protocol.tool_rules import tools_offered
 
 log = logging.getLogger("verity.gateway")
 FIRST_EVENT_TIMEOUT_S = 2.0  # wait this long for the worker's verdict before streaming headers
@@ -146,7 +147,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
     if gw.config.log_prompts:  # asked for with --log-prompts; JSON keeps it on one line
         log.info("[%s] prompt: %s", rid, msgspec.json.encode(req.messages if chat else req.prompt).decode())
-    shaper = Shaper(rid, served, chat)
+    shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req))
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import msgspec
 
+from gateway.tools import ToolCallStream, split_whole
 from protocol import messages as m
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -34,28 +35,49 @@ def usage(metrics: m.RequestMetrics) -> dict:
 class Shaper:
     """Builds the response objects of one request for its endpoint (chat or completion)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, tool_calls: bool = False, index: int = 0,
+                 logprobs: bool = False):
+        """`tool_calls`: the request offered tools; calls in the text become `tool_calls`. `index`:
+        the choice this shaper builds; `logprobs`: each choice carries its tokens' log-probabilities."""
         self.id, self.model, self.chat = request_id, model, chat
+        self.index, self.logprobs, self._offset = index, logprobs, 0
+        self.calls = ToolCallStream() if tool_calls else None
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finished: m.Finished) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason(finished.finish_reason)}
+    def whole(self, text: str, finished: m.Finished, logprobs: Optional[list[m.TokenLogprob]] = None) -> dict:
+        choice = {"index": self.index, "finish_reason": finish_reason(finished.finish_reason)}
+        if self.logprobs:
+            choice["logprobs"] = self._logprobs(logprobs or [], 0)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.calls is not None:
+                content, calls = split_whole(text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [c.as_dict() for c in calls]}
+                    choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         return {**self._base(self.object), "choices": [choice], "usage": usage(finished.metrics),
                 "metrics": metrics_dict(finished.metrics)}
 
-    def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason(finished.finish_reason) if finished else None}
+    def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None,
+              logprobs: Optional[list[m.TokenLogprob]] = None) -> dict:
+        choice: dict = {"index": self.index, "finish_reason": finish_reason(finished.finish_reason) if finished else None}
+        if self.logprobs and (logprobs or not self.chat):
+            choice["logprobs"] = self._logprobs(logprobs or [], self._offset)
+        self._offset += _chars(logprobs) if logprobs else len(text or "")
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
-            if text is not None:
+            if self.calls is not None and (text or finished):
+                self._calls_delta(delta, text or "", finished is not None)
+                if finished is not None and self.calls.calls:
+                    choice["finish_reason"] = "tool_calls"
+            elif text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         else:
@@ -65,9 +87,32 @@ class Shaper:
             out["metrics"] = metrics_dict(finished.metrics)
         return out
 
-    def usage_chunk(self, finished: m.Finished) -> dict:
+    def _calls_delta(self, delta: dict, text: str, last: bool) -> None:
+        """Content and whole tool calls out of streamed text (the last chunk flushes)."""
+        splits = [self.calls.feed(text)] + ([self.calls.flush()] if last else [])
+        content = "".join(s.content for s in splits if s.content)
+        calls = [c.as_dict(streamed=True) for s in splits for c in s.calls]
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+
+    def _logprobs(self, lps: list[m.TokenLogprob], offset: int) -> dict:
+        """Chat's `{"content": [...]}`, or the legacy completion shape (its offsets from `offset`)."""
+        if self.chat:
+            return {"content": msgspec.to_builtins(lps), "refusal": None}
+        offsets = [offset + _chars(lps[:i]) for i in range(len(lps))]
+        return {"tokens": [x.token for x in lps], "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{t.token: t.logprob for t in x.top_logprobs} for x in lps], "text_offset": offsets}
+
+    def usage_chunk(self, finished: m.Finished, totals: Optional[dict] = None) -> dict:
+        """The last chunk's usage: this request's, or `totals` over several choices."""
         return {**self._base(self.object + ".chunk" if self.chat else self.object), "choices": [],
-                "usage": usage(finished.metrics), "metrics": metrics_dict(finished.metrics)}
+                "usage": totals or usage(finished.metrics), "metrics": metrics_dict(finished.metrics)}
+
+
+def _chars(lps: Optional[list[m.TokenLogprob]]) -> int:
+    return sum(len(x.token) for x in lps or [])
 
 
 def finish_reason(reason: str) -> str:

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 import msgspec
 
 from protocol.messages import GenerateRequest
+from protocol.tool_rules import check_tools
 
 # OpenAI fields verity does not implement: refused by name, never silently ignored.
 UNSUPPORTED_FIELDS = frozenset(
@@ -73,6 +74,7 @@ def check_request(req: GenerateRequest, endpoint: Endpoint) -> GenerateRequest:
         )
     req.max_tokens, req.max_completion_tokens = (a if a is not None else b), None
     _check_logprobs(req, endpoint)
+    check_tools(req, endpoint == "chat", RequestInvalid)
     if isinstance(req.stop, str):
         req.stop = [req.stop]
     if req.stop is not None:

@@ -28,6 +28,7 @@ from worker.loader import LoadedModel
 from worker.round import Group, Row, joint_group, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
+from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
 from worker.sampling import Chosen, SamplingInvalid, sampling_for
 from worker.text import PromptInvalid, StopMatcher, StreamingDetokenizer, render_prompt
 
@@ -69,6 +70,7 @@ class _Request:
     finished: Optional[m.Finished] = None
     last_token_at: float = 0.0
     plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
+    grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
     chosen: list[Chosen] = field(default_factory=list)  # log-probabilities of the tokens being emitted
 
@@ -117,6 +119,7 @@ class Engine:
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
         self.vocab_size = len(getattr(lm.tokenizer, "_tokenizer", lm.tokenizer))
+        self.grammars = Compiler(lm.tokenizer)
 
     # ---- any thread ----
 
@@ -149,10 +152,11 @@ class Engine:
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({req.max_tokens}) need up to {need} bytes of "
                 f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
+        grammar = self._grammar(req)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise RequestError("queue_full", "the worker's waiting line is full", status=429)
-            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter(), plan=plan))
+            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
             self.totals.requests += 1
             self._lock.notify()
         return len(prompt)
@@ -267,6 +271,16 @@ class Engine:
         plain = self.config.draft_budget == 0 or (self.config.draft_budget is None and not self.scheduler.drafting)
         return plain and not (self.config.batch_verify and others)
 
+    def _grammar(self, req: m.GenerateRequest) -> Optional[Grammar]:
+        """The request's output grammar, checked against the served tokenizer (400 naming the schema)."""
+        try:
+            grammar = request_grammar(req)
+            if grammar is not None:
+                self.grammars.check(grammar)
+            return grammar
+        except GrammarInvalid as e:
+            raise RequestError("invalid_schema", e.message, param=e.param) from None
+
     def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
         """Bytes a request's caches may take: its prompt and max_tokens, within the context."""
         tokens = min(len(prompt) + req.max_tokens, self.lm.context_limit)
@@ -300,6 +314,8 @@ class Engine:
         its boundary snapshots kept as the chunks reach them."""
         req, reuse = r.req, self.reuse if r.plan else None
         sampling = sampling_for(req, self.config.defaults, self.vocab_size)
+        if r.grammar is not None:  # last: no processor after it re-allows a token
+            sampling.processors.append(self.grammars.processor(r.grammar))
         if req.mode == "joint":
             s = reuse.start(r.plan, r.prompt, True) if reuse else Start()
             params = sampling.params

@@ -6,6 +6,7 @@ from typing import Optional
 
 from protocol.messages import GenerateRequest
 from protocol.schema import message_text
+from worker import tools
 
 
 class PromptInvalid(ValueError):
@@ -56,7 +57,7 @@ def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_pro
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper would force a thinking default
     template = getattr(hf, "chat_template", None)
     msgs = [template_message(m, template if isinstance(template, str) else None) for m in req.messages[:n_messages]]
-    kwargs: dict = {}
+    msgs, kwargs = tools.render(tokenizer, req, msgs, req.messages[:n_messages])
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking
     text = hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)

@@ -1,0 +1,173 @@
+"""Grammar-constrained output (worker/grammar.py) and tool calls (worker/tools.py, gateway/tools.py)
+on tiny random models: whatever garbage the model prefers, the output parses and validates, in
+baseline and joint mode, and constrained joint greedy output equals constrained baseline's."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import FULL
+from gateway.tools import ToolCallStream, split_whole
+from joint_fixtures import load_pair
+from protocol import messages as m
+from protocol.schema import RequestInvalid, parse_request
+from worker.engine import Engine, EngineConfig, RequestError
+
+EXAMPLES = 40 if FULL else 4
+MAX_TOKENS = 160  # every generated schema is bounded well below this
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return load_pair(tmp_path_factory.mktemp("structured"), "llama+llama")
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return Engine(pair.target, EngineConfig(max_active=4, draft_budget=3), pair.drafts["perturbed"])
+
+
+def request(text: str, **kw) -> m.GenerateRequest:
+    body = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+    return parse_request(msgspec.json.encode(body), "chat")
+
+
+def run(engine: Engine, reqs: dict[str, m.GenerateRequest]) -> dict[str, dict]:
+    out = {k: {"text": "", "tokens": [], "finished": None} for k in reqs}
+    for k, r in reqs.items():
+        engine.submit(k, r)
+    while engine.has_work():
+        for ev in engine.step():
+            o = out[ev.request_id]
+            if isinstance(ev, m.TextDelta):
+                o["text"] += ev.text
+                o["tokens"] += ev.token_ids
+            elif isinstance(ev, (m.Finished, m.Error)):
+                o["finished"] = ev
+    return out
+
+
+def json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+# ---- generated schemas: objects of bounded strings, integers, booleans, enums and arrays ----
+
+LEAVES = st.one_of(
+    st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.just({"type": "integer", "minimum": -50, "maximum": 999}),
+    st.just({"type": "boolean"}),
+    st.lists(st.text("abcxyz ", min_size=1, max_size=5), min_size=1, max_size=3, unique=True).map(lambda e: {"enum": e}),
+)
+VALUES = st.one_of(LEAVES, LEAVES.map(lambda s: {"type": "array", "items": s, "maxItems": 3}))
+SCHEMAS = st.dictionaries(st.from_regex(r"[a-z_]{1,6}", fullmatch=True), VALUES, min_size=1, max_size=4).map(
+    lambda props: {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False})
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS, prompt=st.sampled_from(["the quick brown fox", "hello world", "a b c d e f"]))
+def test_constrained_output_validates_and_joint_equals_baseline(engine, schema, prompt):
+    fmt = json_format(schema)
+    out = run(engine, {"base": request(prompt, response_format=fmt),
+                       "joint": request(prompt, response_format=fmt, mode="joint")})
+    for name in ("base", "joint"):
+        assert out[name]["finished"].finish_reason == "stop", out[name]
+        jsonschema.validate(json.loads(out[name]["text"]), schema)
+    assert out["joint"]["tokens"] == out["base"]["tokens"]
+    assert out["joint"]["finished"].metrics.drafted > 0  # the verify positions were masked, not skipped
+
+
+def test_json_object_sampled_parses(engine):
+    reqs = {f"r{i}": request("tell me a story", response_format={"type": "json_object"}, temperature=1.0,
+                             seed=i, mode="joint" if i % 2 else "baseline") for i in range(4)}
+    for name, o in run(engine, reqs).items():
+        assert o["finished"].finish_reason == "stop", (name, o)
+        assert isinstance(json.loads(o["text"]), dict)
+
+
+def test_text_format_is_free_text(engine):
+    free = run(engine, {"a": request("hello world", max_tokens=8, ignore_eos=True)})["a"]
+    text = run(engine, {"a": request("hello world", max_tokens=8, ignore_eos=True, response_format={"type": "text"})})["a"]
+    assert text["tokens"] == free["tokens"]
+
+
+def test_unusable_schema_is_refused_by_name(engine):
+    with pytest.raises(RequestError) as e:
+        engine.submit("bad", request("hi", response_format=json_format({"type": "bogus"})))
+    assert e.value.param == "response_format.json_schema.schema" and "bogus" in e.value.message
+    with pytest.raises(RequestError) as e:  # strict: a keyword the grammar cannot enforce is refused
+        engine.submit("bad", request("hi", response_format=json_format({"type": "string", "format": "weird"})))
+    assert e.value.param == "response_format.json_schema.schema"
+    loose = json_format({"type": "string", "format": "weird", "maxLength": 3})
+    loose["json_schema"]["strict"] = False
+    assert run(engine, {"ok": request("hi", response_format=loose)})["ok"]["finished"].finish_reason == "stop"
+
+
+# ---- tools ----
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.mark.parametrize("mode", ["baseline", "joint"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_parse_and_validate(engine, mode, choice):
+    reqs = {p: request(p, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False, mode=mode)
+            for p in ("what is the weather", "hello world")}
+    for o in run(engine, reqs).values():
+        content, calls = split_whole(o["text"])
+        assert content is None and len(calls) == 1, o["text"]
+        if isinstance(choice, dict):
+            assert calls[0].name == "get_time"
+        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS_BY_NAME[calls[0].name])
+
+
+def test_tool_history_renders_in_the_generic_format(engine, pair):
+    from worker.text import render_prompt
+
+    req = request("weather?", tools=[WEATHER])
+    req.messages += [m.Message("assistant", None, tool_calls=[m.ToolCall("c1", m.FunctionCall("get_weather", '{"city": "Paris", "days": 1}'))]),
+                     m.Message("tool", "sunny", tool_call_id="c1")]
+    text = pair.target.tokenizer.decode(render_prompt(pair.target.tokenizer, req))
+    assert '"name": "get_weather"' in text and "<tool_call>" in text and "<tool_response>\nsunny" in text
+    assert "You may call these functions" in text
+    none = request("weather?", tools=[WEATHER], tool_choice="none")
+    assert "You may call" not in pair.target.tokenizer.decode(render_prompt(pair.target.tokenizer, none))
+
+
+def test_tool_fields_are_checked_by_name():
+    cases = [({"tool_choice": "required"}, "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+             ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+             ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id")]
+    for extra, param in cases:
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        with pytest.raises(RequestInvalid) as e:
+            parse_request(msgspec.json.encode(body), "chat")
+        assert e.value.param == param, (extra, e.value.message)
+    with pytest.raises(RequestInvalid) as e:
+        parse_request(msgspec.json.encode({"prompt": "hi", "tools": [WEATHER]}), "completion")
+    assert e.value.param == "tools"
+
+
+def test_tool_call_stream_splits_at_any_chunking():
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    for size in (1, 2, 3, 7, len(text)):
+        s = ToolCallStream()
+        splits = [s.feed(text[i : i + size]) for i in range(0, len(text), size)] + [s.flush()]
+        content = "".join(p.content or "" for p in splits)
+        calls = [c for p in splits for c in p.calls]
+        assert content.strip() == "Sure." and [c.name for c in calls] == ["f", "g"]
+        assert [json.loads(c.arguments) for c in calls] == [{"a": 1}, {}] and [c.index for c in calls] == [0, 1]
+    assert split_whole("a <tool_call> not json </tool_call>") == ("a <tool_call> not json </tool_call>", [])
+    assert split_whole("x <tool_ca") == ("x <tool_ca", [])
