@@ -1,5 +1,5 @@
-// The budget allocation view. The three functions are worker/scheduler/allocation.py's, line for line:
-// same operations in the same order, so the same doubles and the same ranking.
+// The budget allocation view. The functions are worker/scheduler/allocation.py's, line for line:
+// same operations in the same order, so the same doubles, the same tie keys and the same ranking.
 
 export const PRESET = [[0.95, 0.9, 0.85], [0.8, 0.6, 0.4], [0.6, 0.5, 0.3]]; // docs/design.md's worked example
 
@@ -14,11 +14,17 @@ export function survivals(acceptance) {
   return out;
 }
 
+// Scores equal to this many decimal places are ties: 0.7 * 0.7 (0.48999999999999994) ties 0.49.
+export const TIE_DECIMALS = 9;
+
+// The score as ranked: s rounded half up to TIE_DECIMALS places, as an integer.
+export const tieKey = (s) => Math.floor(s * 10 ** TIE_DECIMALS + 0.5);
+
 // All (request, position) candidates, positions 1-based, by survival descending;
-// equal scores go by request order, then position.
+// scores equal to TIE_DECIMALS places go by request order, then position.
 export function rank(survival) {
   const cands = [];
-  survival.forEach((row, r) => row.forEach((s, j) => cands.push([s, r, j + 1])));
+  survival.forEach((row, r) => row.forEach((s, j) => cands.push([tieKey(s), r, j + 1])));
   cands.sort((x, y) => (y[0] - x[0]) || (x[1] - y[1]) || (x[2] - y[2]));
   return cands.map(([, r, j]) => [r, j]);
 }
@@ -32,12 +38,20 @@ export function allocate(survival, budget) {
 
 export const requestName = (r) => (r < 26 ? String.fromCharCode(65 + r) : `R${r + 1}`);
 
+const NUMBER = /^(?:\d+(?:\.\d+)?|\.\d+)$/;
+const COMMA_DECIMAL = /(?:^|[\s;,])([01]),(\d+)(?![\d.])/;
+
 // "0.95, 0.9 0.85" -> [0.95, 0.9, 0.85]; throws naming the bad entry
 export function parseAcceptance(text, name) {
-  const parts = text.split(/[\s,;]+/).filter(Boolean);
-  return parts.map((p) => {
+  const comma = text.match(COMMA_DECIMAL);
+  if (comma) {
+    throw new Error(`request ${name}: "${comma[1]},${comma[2]}": use a dot as the decimal separator ` +
+      `(${comma[1]}.${comma[2]}), and a space or ", " between values`);
+  }
+  return text.split(/[\s,;]+/).filter(Boolean).map((p) => {
+    if (!NUMBER.test(p)) throw new Error(`request ${name}: "${p}" is not a complete number (write it like 0.85)`);
     const a = Number(p);
-    if (!Number.isFinite(a) || a < 0 || a > 1) throw new Error(`request ${name}: "${p}" is not a probability in [0, 1]`);
+    if (a > 1) throw new Error(`request ${name}: "${p}" is not a probability in [0, 1]`);
     return a;
   });
 }
@@ -51,15 +65,16 @@ const el = (tag, props = {}, ...children) => {
 
 function addRow(values) {
   const li = el("li", { className: "request" });
-  const input = el("input", { type: "text", value: values.join(", "), spellcheck: false });
+  const input = el("input", { type: "text", value: values.join(", "), spellcheck: false, inputMode: "decimal" });
   input.dataset.request = "";
+  input.setAttribute("aria-describedby", "requests-help alloc-error");
   input.addEventListener("input", update);
-  const remove = el("button", { type: "button", className: "quiet", textContent: "×", title: "remove this request" });
+  const remove = el("button", { type: "button", className: "quiet", textContent: "×" });
   remove.addEventListener("click", () => {
     li.remove();
     update();
   });
-  li.append(el("span", { className: "name" }), input, remove);
+  li.append(el("label", { className: "name" }), input, remove);
   $("requests").append(li);
 }
 
@@ -69,22 +84,40 @@ function setRows(rows) {
   update();
 }
 
+// Each request's acceptances; a bad entry is marked (aria-invalid) and the first one's error thrown.
 function readInputs() {
-  const inputs = [...$("requests").querySelectorAll("input[data-request]")];
-  inputs.forEach((input, r) => { input.previousSibling.textContent = requestName(r); });
-  return inputs.map((input, r) => parseAcceptance(input.value, requestName(r)));
+  let error = null;
+  const rows = [...$("requests").querySelectorAll("li")].map((li, r) => {
+    const [label, input, remove] = li.children;
+    input.id = `request-${r}`;
+    Object.assign(label, { htmlFor: input.id, textContent: requestName(r), title: `acceptance per position, request ${requestName(r)}` });
+    remove.setAttribute("aria-label", `remove request ${requestName(r)}`);
+    try {
+      const row = parseAcceptance(input.value, requestName(r));
+      input.removeAttribute("aria-invalid");
+      return row;
+    } catch (e) {
+      input.setAttribute("aria-invalid", "true");
+      error = error || e;
+      return [];
+    }
+  });
+  if (error) throw error;
+  return rows;
 }
 
 function update() {
   let acceptance;
   try {
     acceptance = readInputs();
-    $("alloc-error").hidden = true;
   } catch (e) {
+    // never a result computed from a half-typed entry
     $("alloc-error").textContent = e.message;
-    $("alloc-error").hidden = false;
+    $("alloc-results").hidden = true;
     return;
   }
+  $("alloc-error").textContent = "";
+  $("alloc-results").hidden = false;
   const survival = acceptance.map(survivals);
   const order = rank(survival);
   const total = order.length;

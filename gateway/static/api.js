@@ -1,5 +1,7 @@
 // The server's API as the page uses it: bearer key (asked for on a 401), errors, SSE parsing.
 
+import { inlineCode } from "./markdown.js";
+
 const KEY = "verity.apiKey";
 let key = sessionStorage.getItem(KEY) || localStorage.getItem(KEY) || "";
 let asking = null; // the pending key dialog, shared by concurrent 401s
@@ -24,7 +26,7 @@ export function askForKey(reason) {
   if (asking) return asking;
   const dialog = document.getElementById("key-dialog");
   const input = document.getElementById("key-input");
-  document.getElementById("key-reason").textContent = reason;
+  document.getElementById("key-reason").replaceChildren(inlineCode(reason));
   input.value = "";
   asking = new Promise((resolve) => {
     dialog.addEventListener("close", () => {
@@ -51,7 +53,7 @@ export async function api(path, init = {}) {
     if (response.status === 401) {
       const body = await response.json().catch(() => null);
       const why = body?.error?.message || "this server requires an API key";
-      await askForKey(key ? `The key was refused (${why}). Enter the right one.` : "This server requires an API key.");
+      await askForKey(key ? `The key was refused: ${why}. Enter the right one.` : `This server requires an API key: ${why}.`);
       continue;
     }
     if (!response.ok) {

@@ -1,19 +1,26 @@
 // Boot: views by URL hash, server status, what the server offers (GET /v1/verity/info).
 
 import { api, askForKey, hasKey } from "./api.js";
-import { applyInfo, initChat } from "./chat.js";
+import { initChat, setServerState } from "./chat.js";
 import { initAllocation } from "./allocation.js";
+import { applyInfo, initSettings } from "./settings.js";
+import { initSidebar } from "./sidebar.js";
+import { $ } from "./ui.js";
 
-const $ = (id) => document.getElementById(id);
 const VIEWS = ["chat", "allocation"];
 
 function showView() {
   const name = VIEWS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "chat";
   for (const v of VIEWS) $(v).hidden = v !== name;
-  document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === name));
+  document.querySelectorAll("nav a").forEach((a) => {
+    if (a.dataset.view === name) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  });
+  window.scrollTo(0, 0); // the header stays in view
 }
 
 function setStatus(state, text) {
+  if ($("status").textContent === text) return; // a live region: announce changes only
   $("status").dataset.state = state;
   $("status").textContent = text;
 }
@@ -23,10 +30,17 @@ async function pollHealth() {
   try {
     const r = await fetch("/health");
     const h = await r.json();
-    if (r.ok) setStatus("ok", "ready");
-    else setStatus("down", h.status === "draining" ? "shutting down" : "worker starting…");
+    if (r.ok) {
+      setStatus("ok", "ready");
+      setServerState(null);
+    } else {
+      const why = h.status === "draining" ? "the server is shutting down" : "the worker is starting";
+      setStatus("down", h.status === "draining" ? "shutting down" : "worker starting…");
+      setServerState(why);
+    }
   } catch {
     setStatus("down", "server unreachable");
+    setServerState("the server is unreachable (is launch-stack running?)");
   }
 }
 
@@ -49,7 +63,9 @@ async function loadInfo() {
 
 window.addEventListener("hashchange", showView);
 showView();
+initSettings();
 initChat();
+initSidebar();
 initAllocation();
 $("key-button").addEventListener("click", () => askForKey("Enter the API key to use from now on."));
 pollHealth();

@@ -1,158 +1,243 @@
-// The chat view: streams POST /v1/chat/completions, keeps the conversation, shows each answer's metrics.
+// The chat view: streams POST /v1/chat/completions into the active conversation, renders answers
+// as markdown with each one's metrics, and the message actions (copy, edit, regenerate, delete).
 
 import { api, ApiError, sseData } from "./api.js";
+import { copyButton, inlineCode, renderMarkdown } from "./markdown.js";
+import { figures } from "./metrics.js";
+import { autoTitle, store } from "./store.js";
+import { $, button, el, toast } from "./ui.js";
+import { readSettings, showSettings } from "./settings.js";
 
-const STORE = "verity.conversation";
-const $ = (id) => document.getElementById(id);
-let turns = load(); // {user, assistant, mode, metrics, finish, error}
 let controller = null; // the AbortController of the answer being streamed
+let serverDown = null; // why Send is disabled, or null
+let following = true; // the view follows the stream only while the user is at the bottom
 
-function load() {
-  try {
-    return JSON.parse(localStorage.getItem(STORE) || "[]");
-  } catch {
-    return [];
-  }
+const conv = () => store.active();
+export const isBusy = () => controller !== null;
+export const stop = () => controller?.abort();
+
+export function changed() {
+  autoTitle(conv());
+  store.save();
+  document.dispatchEvent(new Event("conversations-changed"));
 }
 
-function save() {
-  localStorage.setItem(STORE, JSON.stringify(turns));
-}
-
-const ms = (s) => (s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`);
-
-// [metric key, label, value, tooltip] for each figure of the `metrics` object
-function figures(mx, finish) {
-  const joint = mx.drafted > 0;
-  return [
-    ["tps", "tokens/s", mx.decode_tps.toFixed(1), "decode speed after the first token"],
-    ["ttft", "TTFT", ms(mx.ttft_s), "time to first token, from the worker receiving the request"],
-    ["acceptance", "acceptance", joint ? `${mx.accepted}/${mx.drafted} (${Math.round((100 * mx.accepted) / mx.drafted)}%)` : "—",
-      "draft tokens the target accepted / draft tokens proposed"],
-    ["budget", "budget/cycle", joint ? mx.budget_mean.toFixed(2) : "—", "draft tokens verified per joint cycle"],
-    ["reused", "reused", String(mx.reused_tokens), "prompt tokens restored from the cache instead of prefilled"],
-    ["tokens", "tokens", `${mx.prompt_tokens} + ${mx.completion_tokens}`, "prompt + generated"],
-    ...(joint ? [["recovery", "rollbacks", `${mx.rollbacks} · ${ms(mx.recovery_s)}`, "cycles that rejected a draft token · time to recover state"]] : []),
-    ["finish", mx.mode + (mx.draft ? ` · ${mx.draft}` : ""), finish, "mode (draft) and finish reason"],
-  ];
-}
-
-function renderMetrics(el, turn) {
-  el.replaceChildren(...figures(turn.metrics, turn.finish).map(([k, label, value, tip]) => {
-    const chip = document.createElement("span");
-    chip.className = "chip";
-    chip.dataset.metric = k;
-    chip.title = tip;
-    chip.append(Object.assign(document.createElement("b"), { textContent: label }), ` ${value}`);
-    return chip;
-  }));
-}
-
-function renderTurn(turn) {
-  const li = document.createElement("li");
-  li.className = "turn";
-  const user = Object.assign(document.createElement("div"), { className: "bubble user", textContent: turn.user });
-  const answer = Object.assign(document.createElement("div"), { className: "bubble assistant", textContent: turn.assistant });
-  const meta = Object.assign(document.createElement("div"), { className: "metrics" });
-  li.append(user, answer, meta);
-  $("turns").append(li);
-  $("empty").hidden = true;
-  const view = { li, answer, meta };
-  paint(view, turn);
-  return view;
-}
-
-function paint(view, turn) {
-  view.answer.textContent = turn.assistant;
-  view.answer.classList.toggle("streaming", !turn.finish && !turn.error);
-  view.li.classList.toggle("failed", Boolean(turn.error));
-  if (turn.error) {
-    const err = Object.assign(document.createElement("p"), { className: "error", textContent: turn.error });
-    view.meta.replaceChildren(err);
-  } else if (turn.metrics) {
-    renderMetrics(view.meta, turn);
-  } else if (turn.finish) {
-    view.meta.replaceChildren(Object.assign(document.createElement("span"), { className: "chip", textContent: turn.finish }));
-  }
-  view.li.scrollIntoView({ block: "end" });
-}
-
-function history() {
-  const system = $("system").value.trim();
+// Sent as the conversation so far: answered turns only (failed ones are the user's to retry).
+function history(upTo) {
+  const system = conv().settings.system.trim();
   const messages = system ? [{ role: "system", content: system }] : [];
-  for (const t of turns) {
-    if (t.error || !t.finish) continue;
+  for (const t of conv().turns.slice(0, upTo)) {
+    if (t.error || !t.assistant) continue;
     messages.push({ role: "user", content: t.user }, { role: "assistant", content: t.assistant });
   }
   return messages;
 }
 
-async function send(text) {
-  const turn = { user: text, assistant: "", mode: $("mode").value, metrics: null, finish: null, error: null };
-  const body = {
-    messages: [...history(), { role: "user", content: text }],
-    mode: turn.mode,
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value),
-    stream: true,
+// What a failure means to the user, in words; the server's own message when it sent one.
+function describe(error, answered) {
+  if (error instanceof ApiError && error.status) return error.param ? `${error.message} (${error.param})` : error.message;
+  if (error instanceof ApiError) return `The answer ended early: ${error.message}.`;
+  if (answered) return "The connection to the server broke during the answer.";
+  return "Could not reach the server. Check that launch-stack is running, then retry.";
+}
+
+function chips(turn) {
+  if (turn.metrics) {
+    return figures(turn.metrics, turn.finish).map(([k, label, value, tip]) => {
+      const chip = el("span", { className: "chip", title: tip }, el("b", { textContent: label }), ` ${value}`);
+      chip.dataset.metric = k;
+      return chip;
+    });
+  }
+  return turn.finish ? [el("span", { className: "chip", textContent: turn.finish === "stopped" ? "stopped" : turn.finish })] : [];
+}
+
+function footer(turn, i) {
+  const last = i === conv().turns.length - 1;
+  const parts = [];
+  if (turn.error) parts.push(el("p", { className: "error" }, inlineCode(turn.error)));
+  else if (turn.finish === "stopped") {
+    parts.push(el("p", { className: "note" }, turn.assistant ? "Stopped by you." : "Stopped by you before the first token."));
+  }
+  const actions = el("div", { className: "actions" });
+  if (turn.assistant) actions.append(copyButton("Copy answer", () => turn.assistant));
+  if (last && turn.error) actions.append(button("Retry", "Retry this question", () => regenerate(i), "small"));
+  else if (last) actions.append(button("Regenerate", "Regenerate this answer", () => regenerate(i)));
+  return el("div", { className: "footer" }, el("div", { className: "metrics" }, ...chips(turn)), ...parts, actions);
+}
+
+function userBlock(turn, i) {
+  const bubble = el("div", { className: "bubble user", textContent: turn.user });
+  const actions = el("div", { className: "actions user-actions" }, copyButton("Copy question", () => turn.user),
+    button("Edit", "Edit and resend this question", () => edit(i)),
+    button("Delete", "Delete this question and its answer", () => remove(i)));
+  return [bubble, actions];
+}
+
+function renderTurn(turn, i) {
+  const li = el("li", { className: "turn" }, ...userBlock(turn, i));
+  li.classList.toggle("failed", Boolean(turn.error));
+  const answer = el("div", { className: "bubble assistant" });
+  if (turn.assistant) renderMarkdown(answer, turn.assistant);
+  else answer.hidden = true; // no empty (ghost) bubble
+  li.append(answer, footer(turn, i));
+  return li;
+}
+
+export function renderAll() {
+  const turns = conv().turns;
+  $("turns").replaceChildren(...turns.map(renderTurn));
+  $("empty").hidden = turns.length > 0;
+  document.body.classList.toggle("busy", isBusy());
+}
+
+function scrollToEnd() {
+  if (following) $("turns").scrollTop = $("turns").scrollHeight;
+}
+
+function streamingView(turn) {
+  const li = el("li", { className: "turn" }, el("div", { className: "bubble user", textContent: turn.user }));
+  const answer = el("div", { className: "bubble assistant streaming", hidden: true });
+  const waiting = el("p", { className: "note waiting", textContent: "Waiting for the first token…" });
+  li.append(answer, waiting);
+  $("turns").append(li);
+  $("empty").hidden = true;
+  let queued = false;
+  return () => { // repaint at most once a frame
+    if (queued) return;
+    queued = true;
+    requestAnimationFrame(() => {
+      queued = false;
+      if (!turn.assistant) return;
+      waiting.remove();
+      answer.hidden = false;
+      renderMarkdown(answer, turn.assistant, { highlight: false });
+      scrollToEnd();
+    });
   };
-  turns.push(turn);
-  const view = renderTurn(turn);
+}
+
+async function stream(turn, body) {
+  const paint = streamingView(turn);
+  scrollToEnd();
+  const response = await api("/v1/chat/completions", {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body), signal: controller.signal,
+  });
+  for await (const chunk of sseData(response)) {
+    if (chunk.error) throw ApiError.fromBody(chunk, 200);
+    for (const choice of chunk.choices || []) {
+      turn.assistant += choice.delta?.content || "";
+      if (choice.finish_reason) turn.finish = choice.finish_reason;
+    }
+    if (chunk.metrics) turn.metrics = chunk.metrics;
+    paint();
+  }
+  if (!turn.finish) throw new ApiError("the server closed the stream without a finish reason");
+}
+
+// Ask `text` as turn number `at` (the turns from `at` on are replaced).
+export async function send(text, at = conv().turns.length) {
+  if (isBusy() || serverDown) return;
+  const c = conv();
+  const s = readSettings();
+  const turn = { user: text, assistant: "", mode: s.mode, metrics: null, finish: null, error: null };
+  const body = { messages: [...history(at), { role: "user", content: text }], mode: s.mode,
+    temperature: s.temperature, max_tokens: s.max_tokens, stream: true };
+  c.turns.splice(at, c.turns.length - at, turn);
+  renderAll();
   controller = new AbortController();
   busy(true);
   try {
-    const response = await api("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body), signal: controller.signal,
-    });
-    for await (const chunk of sseData(response)) {
-      if (chunk.error) throw ApiError.fromBody(chunk, 200);
-      for (const choice of chunk.choices || []) {
-        turn.assistant += choice.delta?.content || "";
-        if (choice.finish_reason) turn.finish = choice.finish_reason;
-      }
-      if (chunk.metrics) turn.metrics = chunk.metrics;
-      paint(view, turn);
-    }
-    if (!turn.finish) throw new ApiError("the stream ended without a finish_reason");
+    await stream(turn, body);
   } catch (e) {
-    if (e.name === "AbortError") {
-      turn.finish = "stopped";
-      if (!turn.assistant) turn.error = "stopped before the first token";
-    } else {
-      turn.error = e.param ? `${e.message} (${e.param})` : e.message;
-    }
+    if (e.name === "AbortError") turn.finish = "stopped";
+    else turn.error = describe(e, turn.assistant !== "");
   } finally {
     controller = null;
     busy(false);
-    paint(view, turn);
-    save();
+    renderAll();
+    scrollToEnd();
+    changed();
   }
+}
+
+function regenerate(i) {
+  send(conv().turns[i].user, i);
+}
+
+function remove(i) {
+  const c = conv();
+  const [gone] = c.turns.splice(i, 1);
+  renderAll();
+  changed();
+  toast("Question and answer deleted.", { label: "Undo", run: () => {
+    c.turns.splice(Math.min(i, c.turns.length), 0, gone);
+    renderAll();
+    changed();
+  } });
+}
+
+// The question becomes an editable box; saving resends it and drops the turns after it.
+function edit(i) {
+  const li = $("turns").children[i];
+  const box = el("textarea", { className: "edit", value: conv().turns[i].user, rows: 3 });
+  box.setAttribute("aria-label", "Edit the question");
+  const save = button("Save and send", null, () => send(box.value, i), "small");
+  const cancel = button("Cancel", null, renderAll);
+  const note = el("span", { className: "hint", textContent: "Sending drops the answers after this question." });
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") renderAll();
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing && box.value.trim()) {
+      e.preventDefault();
+      save.click();
+    }
+  });
+  li.querySelector(".bubble.user").replaceWith(box);
+  li.querySelector(".user-actions").replaceChildren(save, cancel, note);
+  save.disabled = Boolean(serverDown) || isBusy();
+  box.focus();
 }
 
 function busy(on) {
   $("send").hidden = on;
   $("stop").hidden = !on;
-  $("prompt").disabled = on;
-  if (!on) $("prompt").focus();
+  document.body.classList.toggle("busy", on);
+  // focus stays in the composer (a hidden button would drop it to <body>)
+  if (!document.activeElement || document.activeElement === document.body || document.activeElement === $("send")) {
+    $("prompt").focus();
+  }
 }
 
-export function applyInfo(info) {
-  const joint = $("mode").querySelector('option[value="joint"]');
-  joint.disabled = !info.joint_available;
-  joint.textContent = info.joint_available ? "joint (draft + target)" : "joint (no draft loaded)";
-  if (!info.joint_available && $("mode").value === "joint") $("mode").value = "baseline";
-  $("draft").textContent = info.joint_available ? `draft: ${info.draft_id}` : "Start launch-stack with --draft to enable joint mode.";
-  if (info.max_tokens_cap) $("max-tokens").max = info.max_tokens_cap;
+// Send is disabled, with the reason shown, while the server cannot answer.
+export function setServerState(reason) {
+  serverDown = reason;
+  $("send").disabled = Boolean(reason);
+  $("send").title = reason ? `Disabled: ${reason}` : "";
+  $("composer-note").textContent = reason ? `Send is disabled: ${reason}.` : "";
+}
+
+function growComposer() {
+  const p = $("prompt");
+  p.style.height = "auto";
+  p.style.height = `${Math.min(p.scrollHeight + 2, Math.round(window.innerHeight * 0.35))}px`;
+}
+
+export function showConversation() {
+  showSettings(conv().settings);
+  renderAll();
+  following = true;
+  scrollToEnd();
 }
 
 export function initChat() {
-  turns.forEach(renderTurn);
+  showConversation();
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("prompt").value;
-    if (!text.trim() || controller) return;
+    if (!text.trim() || isBusy() || serverDown) return;
     $("prompt").value = "";
+    growComposer();
     send(text);
   });
   $("prompt").addEventListener("keydown", (e) => {
@@ -161,12 +246,13 @@ export function initChat() {
       $("composer").requestSubmit();
     }
   });
-  $("stop").addEventListener("click", () => controller?.abort());
-  $("new-chat").addEventListener("click", () => {
-    controller?.abort();
-    turns = [];
-    save();
-    $("turns").replaceChildren();
-    $("empty").hidden = false;
+  $("prompt").addEventListener("input", growComposer);
+  $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && isBusy()) stop();
+  });
+  $("turns").addEventListener("scroll", () => {
+    const t = $("turns");
+    following = t.scrollHeight - t.scrollTop - t.clientHeight < 40;
   });
 }
