@@ -70,16 +70,18 @@ SCHEMAS = st.dictionaries(st.from_regex(r"[a-z_]{1,6}", fullmatch=True), VALUES,
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=SCHEMAS, prompt=st.sampled_from(["the quick brown fox", "hello world", "a b c d e f"]))
-def test_constrained_output_validates_and_joint_equals_baseline(engine, schema, prompt):
+@given(schema=SCHEMAS, prompts=st.permutations(["the quick brown fox", "hello world", "a b c d e f"]))
+def test_constrained_output_validates_and_joint_equals_baseline(engine, schema, prompts):
+    """Two prompts at once, each in both modes: the two joint rows verify in one batched forward."""
     fmt = json_format(schema)
-    out = run(engine, {"base": request(prompt, response_format=fmt),
-                       "joint": request(prompt, response_format=fmt, mode="joint")})
-    for name in ("base", "joint"):
-        assert out[name]["finished"].finish_reason == "stop", out[name]
-        jsonschema.validate(json.loads(out[name]["text"]), schema)
-    assert out["joint"]["tokens"] == out["base"]["tokens"]
-    assert out["joint"]["finished"].metrics.drafted > 0  # the verify positions were masked, not skipped
+    reqs = {(p, mode): request(p, response_format=fmt, mode=mode) for p in prompts[:2] for mode in ("baseline", "joint")}
+    out = run(engine, reqs)
+    for key, o in out.items():
+        assert o["finished"].finish_reason == "stop", (key, o)
+        jsonschema.validate(json.loads(o["text"]), schema)
+    for p in prompts[:2]:
+        assert out[(p, "joint")]["tokens"] == out[(p, "baseline")]["tokens"]
+        assert out[(p, "joint")]["finished"].metrics.drafted > 0  # the verify positions were masked, not skipped
 
 
 def test_json_object_sampled_parses(engine):
@@ -171,3 +173,37 @@ def test_tool_call_stream_splits_at_any_chunking():
         assert [json.loads(c.arguments) for c in calls] == [{"a": 1}, {}] and [c.index for c in calls] == [0, 1]
     assert split_whole("a <tool_call> not json </tool_call>") == ("a <tool_call> not json </tool_call>", [])
     assert split_whole("x <tool_ca") == ("x <tool_ca", [])
+
+
+NATIVE_TEMPLATE = (  # Qwen-like: renders `tools` itself and calls in the json_tools format
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{% if message.tool_calls %}"
+    "{% for tool_call in message.tool_calls %}{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}"
+    "{% endif %}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n"
+    "</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them(tiny_llama, tmp_path):
+    import shutil
+
+    from worker.loader import load_model
+    from worker.text import render_prompt
+    from worker.tools import native
+
+    folder = tmp_path / "native"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NATIVE_TEMPLATE}))
+    lm = load_model(str(folder))
+    assert native(lm.tokenizer)
+    req = request("weather?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    req.messages += [m.Message("assistant", None, tool_calls=[m.ToolCall("c1", m.FunctionCall("get_weather", '{"city": "Oslo", "days": 2}'))]),
+                     m.Message("tool", "sunny", tool_call_id="c1")]
+    text = lm.tokenizer.decode(render_prompt(lm.tokenizer, req))
+    assert "# Tools" in text and "You may call" not in text and '"arguments": {"city": "Oslo", "days": 2}' in text
+    assert "<|im_start|>tool\nsunny" in text
+    out = run(Engine(lm, EngineConfig(max_active=1)), {"a": req})["a"]
+    content, calls = split_whole(out["text"])
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
