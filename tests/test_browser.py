@@ -231,7 +231,9 @@ def test_stop_escape_and_scroll_follow_only_at_the_bottom(page):
     page.set_input_files("#import", files=[export_file("Long", [(f"question {i}", "\n\n".join(["ok"] * 30)) for i in range(2)],
                                                        max_tokens=CAP)])
     page.wait_for_selector("#conversations [aria-current=true]:text('Long')")
-    page.fill("#prompt", "Tell me a long story")
+    height = page.locator("#prompt").bounding_box()["height"]
+    page.fill("#prompt", "Tell me\na long\nstory")  # the composer grows with its text
+    assert page.locator("#prompt").bounding_box()["height"] > height * 2
     page.press("#prompt", "Enter")
     long_text = ".bubble.assistant.streaming:not([hidden])"
     page.wait_for_selector(long_text)
@@ -271,8 +273,10 @@ def test_errors_read_as_words_with_retry_and_send_waits_for_the_server(page):
     page.route("**/health", lambda route: route.abort())
     page.wait_for_selector("#send:disabled")
     assert "unreachable" in page.text_content("#composer-note") and page.text_content("#status") == "server unreachable"
+    assert last.locator("button:text('Retry')").is_disabled()
     page.unroute("**/health")
     page.wait_for_selector("#send:enabled")
+    assert last.locator("button:text('Retry')").is_enabled()
 
 
 def label(r: int, j: int) -> str:

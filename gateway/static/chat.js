@@ -61,8 +61,12 @@ function footer(turn, i) {
   }
   const actions = el("div", { className: "actions" });
   if (turn.assistant) actions.append(copyButton("Copy answer", () => turn.assistant));
-  if (last && turn.error) actions.append(button("Retry", "Retry this question", () => regenerate(i), "small"));
-  else if (last) actions.append(button("Regenerate", "Regenerate this answer", () => regenerate(i)));
+  if (last) {
+    const again = turn.error ? button("Retry", "Retry this question", () => regenerate(i), "small needs-server")
+      : button("Regenerate", "Regenerate this answer", () => regenerate(i), "quiet small needs-server");
+    again.disabled = Boolean(serverDown);
+    actions.append(again);
+  }
   return el("div", { className: "footer" }, el("div", { className: "metrics" }, ...chips(turn)), ...parts, actions);
 }
 
@@ -183,7 +187,7 @@ function edit(i) {
   const li = $("turns").children[i];
   const box = el("textarea", { className: "edit", value: conv().turns[i].user, rows: 3 });
   box.setAttribute("aria-label", "Edit the question");
-  const save = button("Save and send", null, () => send(box.value, i), "small");
+  const save = button("Save and send", null, () => send(box.value, i), "small needs-server");
   const cancel = button("Cancel", null, renderAll);
   const note = el("span", { className: "hint", textContent: "Sending drops the answers after this question." });
   box.addEventListener("keydown", (e) => {
@@ -215,6 +219,7 @@ export function setServerState(reason) {
   $("send").disabled = Boolean(reason);
   $("send").title = reason ? `Disabled: ${reason}` : "";
   $("composer-note").textContent = reason ? `Send is disabled: ${reason}.` : "";
+  document.querySelectorAll("#turns .needs-server").forEach((b) => { b.disabled = Boolean(reason); });
 }
 
 function growComposer() {
