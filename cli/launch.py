@@ -24,6 +24,7 @@ import zmq
 
 from cli.blas import blas_env
 from cli.config import ArgumentParser, parse_with_config
+from cli.ranks import GroupError, GroupPlan, RankGroup, add_group_flags, plan_from_args
 from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
 
@@ -89,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"byte budget of the prefix-reuse snapshots, e.g. 512M or 2G (default {DEFAULT_CACHE_BYTES}; 0: no reuse)")
     p.add_argument("--cache-dir", default=None,
                    help="spill snapshots to files here (mode 0700) so reuse survives a worker restart")
+    add_group_flags(p)
     return parse_with_config(p, argv)
 
 
@@ -106,8 +108,8 @@ def byte_size(text: str) -> int:
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
+    def __init__(self, args: argparse.Namespace, group: Optional[GroupPlan] = None):
+        self.args, self.group = args, group
         base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
         self.runtime_dir = tempfile.mkdtemp(prefix="verity-", dir=base if os.path.isdir(base) else None)
         os.chmod(self.runtime_dir, 0o700)
@@ -153,6 +155,12 @@ class Supervisor:
 
     def spawn(self, c: Child) -> None:
         c.ready, c.restart_at = None, None
+        if c.name == "worker" and self.group is not None:
+            try:
+                c.proc = RankGroup(self.group, c.argv, c.env, self.runtime_dir, pass_fds=(self.death_r,))
+            except GroupError as e:
+                raise StartFailed(str(e)) from None
+            return
         c.proc = subprocess.Popen(c.argv, env=c.env, pass_fds=(self.death_r,))
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
@@ -280,7 +288,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     warning = exposure_warning(args.host, args.api_key or os.environ.get("VERITY_API_KEY"))
     if warning:
         log.warning("%s", warning)
-    sup = Supervisor(args)
+    try:
+        group = plan_from_args(args.ranks, args.hostfile, args.backend, args.shard, args.rank_timeout_s)
+    except GroupError as e:
+        log.error("start failed: %s", e)
+        return EXIT_START_FAILED
+    sup = Supervisor(args, group)
     log.info("runtime directory %s (mode 0700)", sup.runtime_dir)
 
     def on_signal(signum, _frame):

@@ -87,6 +87,8 @@ class _Totals:
 def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     """Identity under which cached state is valid (per-request thinking mode is mixed in later)."""
     parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
+    if lm.sharding:  # a distributed group's shards: world size and how the model is split
+        parts.append(lm.sharding)
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
@@ -153,13 +155,17 @@ class Engine:
                 f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
+        self._enqueue(_Request(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
+        return len(prompt)
+
+    def _enqueue(self, r: _Request) -> None:
+        """Queues a checked request (a distributed group's rank 0 stages it for every rank)."""
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise RequestError("queue_full", "the worker's waiting line is full", status=429)
-            self._waiting.append(_Request(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
+            self._waiting.append(r)
             self.totals.requests += 1
             self._lock.notify()
-        return len(prompt)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,22 +25,29 @@ class LoadedModel:
     quantization: str
     context_limit: int
     chat_template: Optional[str]
+    sharding: str = ""  # a distributed group's split, e.g. "tensor/2" ("": the whole model)
 
 
 def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def load_model(spec: str = EMBEDDED, float_weights: bool = False) -> LoadedModel:
-    """`float_weights`: the embedded model dequantized even on a GPU (the distillation copies its layers)."""
+def load_model(spec: str = EMBEDDED, float_weights: bool = False,
+               shard: Optional[Callable[[nn.Module], str]] = None) -> LoadedModel:
+    """`float_weights`: the embedded model dequantized even on a GPU (the distillation copies its layers).
+    `shard(model) -> sharding`: splits the model for a distributed group before its weights load."""
     if spec == EMBEDDED:
-        return _load_embedded(quantized=on_gpu() and not float_weights)
+        lm = _load_embedded(quantized=on_gpu() and not float_weights)
+        if shard:
+            lm.sharding = shard(lm.model)
+            mx.eval(lm.model.parameters())
+        return lm
     path = Path(spec).expanduser()
     if path.exists():
-        return _load_folder(path, path.resolve().name)
+        return _load_folder(path, path.resolve().name, shard)
     from mlx_lm.utils import hf_repo_to_path  # a user's own machine may fetch it
 
-    return _load_folder(Path(hf_repo_to_path(spec)), spec)
+    return _load_folder(Path(hf_repo_to_path(spec)), spec, shard)
 
 
 def _load_embedded(quantized: bool) -> LoadedModel:
@@ -59,13 +66,15 @@ def _load_embedded(quantized: bool) -> LoadedModel:
     )
 
 
-def _load_folder(path: Path, model_id: str) -> LoadedModel:
+def _load_folder(path: Path, model_id: str, shard: Optional[Callable[[nn.Module], str]] = None) -> LoadedModel:
     from mlx_lm.utils import load
 
-    model, tokenizer, config = load(str(path), return_config=True)
+    model, tokenizer, config = load(str(path), return_config=True, lazy=shard is not None)
+    sharding = shard(model) if shard else ""  # lazy: only this rank's part of the weights is read
     quant = config.get("quantization")
     if not on_gpu() and not quant:
         model.set_dtype(mx.float32)  # float32 is the fast dtype on CPU
+    mx.eval(model.parameters())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -74,6 +83,7 @@ def _load_folder(path: Path, model_id: str) -> LoadedModel:
         quantization=f"q{quant['bits']}g{quant['group_size']}" if quant else str(_dtype_of(model)),
         context_limit=int(_context_limit(config)),
         chat_template=getattr(tokenizer, "chat_template", None),
+        sharding=sharding,
     )
 
 

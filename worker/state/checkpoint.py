@@ -76,8 +76,10 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
         cache[1] = states[-1]
         cache.advance(S)
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, S, -1))
+        out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
+        if self.sharding_group is not None:  # tensor-sharded (worker/distributed): join the ranks' parts
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out
 
 
 def _recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
