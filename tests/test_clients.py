@@ -166,7 +166,8 @@ def test_litellm_top_k_tools_and_response_format(stack, model):
 
 def llm_cli(stack, model, tmp_path: Path, *args: str) -> str:
     (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: verity-test\n  model_name: {model}\n  api_base: {stack.url}/v1\n  supports_schema: true\n")
+        f"- model_id: verity-test\n  model_name: {model}\n  api_base: {stack.url}/v1\n  supports_schema: true\n"
+        "  supports_tools: true\n")
     env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": "", "OPENAI_API_KEY": "none"}
     llm = str(Path(sys.executable).parent / "llm")
     r = subprocess.run([llm, "-m", "verity-test", "-o", "temperature", "0", "-o", "max_tokens", str(MAX_TOKENS),
@@ -181,3 +182,4 @@ def test_llm_cli_schema_and_json_object(stack, model, tmp_path):
     jsonschema.validate(json.loads(out), schema)
     out = llm_cli(stack, model, tmp_path, "-o", "json_object", "1", "answer in JSON")
     assert isinstance(json.loads(out), dict)
+    llm_cli(stack, model, tmp_path, "-T", "llm_version", "which version?")  # tools offered (auto): served
