@@ -133,6 +133,25 @@ def test_forced_tool_calls_parse_and_validate(engine, mode, choice):
         jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS_BY_NAME[calls[0].name])
 
 
+def test_auto_tools_with_a_response_format_give_a_call_or_the_json(engine, pair):
+    """The model's own first choice, and a logit_bias toward `<` (a call's first token)."""
+    schema = SCHEMAS_BY_NAME["get_time"]
+    lt = pair.target.tokenizer.encode("<", add_special_tokens=False)
+    biases = {"own": None, "call": {str(lt[0]): 100}}
+    reqs = {(p, mode, b): request(p, tools=[WEATHER], response_format=json_format(schema), mode=mode, logit_bias=bias)
+            for p in ("what is the weather", "hello world") for mode in ("baseline", "joint") for b, bias in biases.items()}
+    out = run(engine, reqs)
+    for (p, mode, b), o in out.items():
+        content, calls = split_whole(o["text"])
+        assert bool(calls) == (b == "call") or b == "own", o["text"]
+        if calls:
+            assert content is None and all(c.name == "get_weather" for c in calls), o["text"]
+            jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS_BY_NAME["get_weather"])
+        else:
+            jsonschema.validate(json.loads(o["text"]), schema)
+        assert o["tokens"] == out[(p, "baseline", b)]["tokens"]
+
+
 def test_tool_history_renders_in_the_generic_format(engine, pair):
     from worker.text import render_prompt
 

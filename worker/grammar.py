@@ -57,20 +57,33 @@ def json_grammar(schema: dict, strict: bool, param: str) -> str:
 
 
 def request_grammar(req: m.GenerateRequest) -> Optional[Grammar]:
-    """The grammar a request's output must follow: a required or named tool call, else its
-    response_format (json_object or json_schema); None for free text."""
-    call = tools.forced_call_grammar(req, lambda schema, param: json_grammar(schema, False, param))
+    """The grammar a request's output must follow: a required or named tool call; else its
+    response_format (json_object or json_schema), or, with tools on "auto", a call or that
+    format's JSON; None for free text."""
+    answer = _answer(req)
+    call = tools.call_grammar(req, lambda schema, param: json_grammar(schema, False, param),
+                              None if answer is None else {**answer[0], "x-guidance": answer[2]})
     if call is not None:
         return Grammar(llguidance.LLMatcher.grammar_from_lark(call), "tools")
+    if answer is None:
+        return None
+    schema, param, options = answer
+    return Grammar(json_grammar(schema, not options["lenient"], param), param)
+
+
+def _answer(req: m.GenerateRequest) -> Optional[tuple[dict, str, dict]]:
+    """response_format's (schema, its param, compile options), checked; None for text."""
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return Grammar(json_grammar({"type": "object"}, True, "response_format"), "response_format")
-    spec = rf.json_schema
-    schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
-    return Grammar(json_grammar(schema, bool(spec.strict), "response_format.json_schema.schema"),
-                   "response_format.json_schema.schema")
+        schema, param, strict = {"type": "object"}, "response_format", True
+    else:
+        spec = rf.json_schema
+        schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
+        param, strict = "response_format.json_schema.schema", bool(spec.strict)
+    json_grammar(schema, strict, param)  # refuses an unusable schema by name
+    return schema, param, {**JSON_OPTIONS, "lenient": not strict}
 
 
 class Compiler:

@@ -78,12 +78,14 @@ def _arguments(text: str):
         return text
 
 
-def forced_call_grammar(req: m.GenerateRequest, check: SchemaCheck) -> Optional[str]:
-    """A lark grammar (llguidance's, with inline %json) of the calls `tool_choice` forces:
+def call_grammar(req: m.GenerateRequest, check: SchemaCheck, answer: Optional[dict] = None) -> Optional[str]:
+    """A lark grammar (llguidance's, with inline %json) of the calls the request may make:
     "required" one call of any tool (several when parallel_tool_calls is not false), a named
-    function exactly one call of it; None when the model chooses."""
+    function exactly one call of it; "auto" with an `answer` (response_format's JSON grammar
+    options and schema): those calls or that answer. None when the text is free."""
     choice = req.tool_choice
-    if not req.tools or choice in (None, "none", "auto"):
+    forced = choice == "required" or isinstance(choice, m.NamedToolChoice)
+    if not tools_offered(req) or not (forced or answer is not None):
         return None
     named = isinstance(choice, m.NamedToolChoice)
     schemas = []
@@ -96,5 +98,6 @@ def forced_call_grammar(req: m.GenerateRequest, check: SchemaCheck) -> Optional[
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = json.dumps({**schema, "x-guidance": INLINE_OPTIONS})
-    start = 'start: call ("\\n" call)*' if not named and req.parallel_tool_calls is not False else "start: call"
-    return f'{start}\ncall: "{TOOL_CALL_START}\\n" %json {body} "\\n{TOOL_CALL_END}"\n'
+    calls = 'calls: call ("\\n" call)*' if not named and req.parallel_tool_calls is not False else "calls: call"
+    start = "start: calls" if forced else f"start: calls | answer\nanswer: %json {json.dumps(answer)}"
+    return f'{start}\n{calls}\ncall: "{TOOL_CALL_START}\\n" %json {body} "\\n{TOOL_CALL_END}"\n'
