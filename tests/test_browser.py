@@ -34,6 +34,7 @@ TIMEOUT_MS = 60_000
 DESKTOP, PHONE = {"width": 1280, "height": 860}, {"width": 390, "height": 844}
 CODE = "for i in range(3):\n    print(i)  # count"
 MARKDOWN = f"Here is one:\n\n```python\n{CODE}\n```\n\nand `inline` code, **bold**."
+TABLE = "\n\n| α | survival |\n|---|---|\n| 0.8 | 0.64 |\n\nSee [the docs](https://example.org/) and a\n\n> quote"
 HOSTILE = 'Stored <img src=x onerror="window.pwned=1"> and <script>window.pwned=2</script> stay inert.'
 
 
@@ -207,12 +208,16 @@ def test_conversations_persist_with_their_settings(page):
     page.wait_for_selector("#conversations [aria-current=true]:text('French')")
     assert page.input_value("#system") == "Answer in French." and page.input_value("#max-tokens") == str(CAP)
     assert page.locator(".turn .bubble.user").text_content() == "bonjour"
-    page.click("#conversations button.open:text('Markdown')")
-    assert page.input_value("#system") == "Be brief." and page.locator(".turn").count() == 1
-    # clearing asks first; deleting can be undone
+    # clearing asks first
     page.click("#clear-chat")
     page.click("#confirm-dialog button[value=cancel]")
     assert page.locator(".turn").count() == 1
+    page.click("#clear-chat")
+    page.click("#confirm-dialog #confirm-ok")
+    assert page.locator(".turn").count() == 0 and stored(page)[0]["turns"] == []
+    page.click("#conversations button.open:text('Markdown')")
+    assert page.input_value("#system") == "Be brief." and page.locator(".turn").count() == 1
+    # deleting can be undone
     titles = [c["title"] for c in stored(page)]
     assert titles[:2] == ["French", "Markdown"]
     page.click("#conversations li:has-text('French') button:text('Delete')")
@@ -355,6 +360,8 @@ def axe_violations(page) -> list[str]:
 
 @pytest.mark.parametrize("size", ["desktop", "phone"])
 def test_layout_and_accessibility_in_both_themes(stack, page, size):
+    if not page.locator("#conversations button.open:text('Showcase')").count():  # a code block, a link, a table
+        page.set_input_files("#import", files=[export_file("Showcase", [("Show me", MARKDOWN + TABLE)])])
     page.set_viewport_size(DESKTOP if size == "desktop" else PHONE)
     failures = []
     for theme in ("light", "dark"):
@@ -366,7 +373,7 @@ def test_layout_and_accessibility_in_both_themes(stack, page, size):
             if view == "chat":
                 if size == "phone":  # a drawer, closed at start and again once a conversation is picked
                     page.click("#conversations-panel summary")
-                page.click("#conversations button.open:text('Markdown')")
+                page.click("#conversations button.open:text('Showcase')")
                 assert page.evaluate("document.getElementById('conversations-panel').open") == (size == "desktop")
             failures += [f"{size} {theme} {view}: {v}" for v in axe_violations(page)]
             width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
