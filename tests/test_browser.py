@@ -214,7 +214,8 @@ def test_conversations_persist_with_their_settings(page):
     assert page.locator(".turn").count() == 1
     page.click("#clear-chat")
     page.click("#confirm-dialog #confirm-ok")
-    assert page.locator(".turn").count() == 0 and stored(page)[0]["turns"] == []
+    page.wait_for_selector(".turn", state="detached")
+    assert stored(page)[0]["turns"] == []
     page.click("#conversations button.open:text('Markdown')")
     assert page.input_value("#system") == "Be brief." and page.locator(".turn").count() == 1
     # deleting can be undone
