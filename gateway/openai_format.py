@@ -59,7 +59,7 @@ class Shaper:
                 if calls:
                     choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": [c.as_dict() for c in calls]}
-                    choice["finish_reason"] = "tool_calls"
+                    choice["finish_reason"] = calls_finish(choice["finish_reason"])
         else:
             choice["text"] = text
         return {**self._base(self.object), "choices": [choice], "usage": usage(finished.metrics),
@@ -76,7 +76,7 @@ class Shaper:
             if self.calls is not None and (text or finished):
                 self._calls_delta(delta, text or "", finished is not None)
                 if finished is not None and self.calls.calls:
-                    choice["finish_reason"] = "tool_calls"
+                    choice["finish_reason"] = calls_finish(choice["finish_reason"])
             elif text is not None:
                 delta["content"] = text
             choice["delta"] = delta
@@ -113,6 +113,11 @@ class Shaper:
 
 def _chars(lps: Optional[list[m.TokenLogprob]]) -> int:
     return sum(len(x.token) for x in lps or [])
+
+
+def calls_finish(reason: str) -> str:
+    """A reply with tool calls ends with "tool_calls", unless max_tokens cut it ("length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def finish_reason(reason: str) -> str:

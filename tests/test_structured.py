@@ -226,3 +226,17 @@ def test_a_template_that_renders_tools_gets_them(tiny_llama, tmp_path):
     content, calls = split_whole(out["text"])
     assert content is None and [c.name for c in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+
+
+def test_calls_cut_by_max_tokens_end_with_length():
+    from gateway.openai_format import Shaper
+
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    done = {r: m.Finished("x", r, m.RequestMetrics()) for r in ("stop", "length")}
+    for reason, expected in (("stop", "tool_calls"), ("length", "length")):
+        choice = Shaper("x", "m", True, tool_calls=True).whole(text, done[reason])["choices"][0]
+        assert choice["finish_reason"] == expected and [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+        shaper = Shaper("x", "m", True, tool_calls=True)
+        chunks = [shaper.chunk(text=text[:30]), shaper.chunk(text=text[30:]), shaper.chunk(finished=done[reason])]
+        assert chunks[-1]["choices"][0]["finish_reason"] == expected
+        assert [d["function"]["name"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])] == ["f"]
