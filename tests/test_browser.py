@@ -105,7 +105,10 @@ def ask(page, text: str) -> dict:
     return json.loads(req.value.post_data)
 
 
-def clipboard(page) -> str:
+def copied(page, button: str) -> str:
+    """Clicks a copy button; the clipboard once the button says the text is there."""
+    page.click(button)
+    page.wait_for_selector(f"{button}:text('Copied')")
     return page.evaluate("navigator.clipboard.readText()")
 
 
@@ -154,10 +157,8 @@ def test_markdown_code_highlighted_copied_and_sanitized(page):
     assert page.locator(".turn:first-child .code-block code .hljs-keyword").first.text_content() in ("for", "in")
     assert page.text_content(".turn:first-child .code-bar span") == "python"
     assert page.text_content(".turn:first-child .bubble.assistant p code") == "inline"
-    page.click(".turn:first-child .code-bar button")
-    assert clipboard(page).rstrip("\n") == CODE
-    page.click(".turn:first-child button[aria-label='Copy answer']")
-    assert clipboard(page) == MARKDOWN
+    assert copied(page, ".turn:first-child .code-bar button").rstrip("\n") == CODE
+    assert copied(page, ".turn:first-child button[aria-label='Copy answer']") == MARKDOWN
     assert page.evaluate("window.pwned") is None and page.locator(".bubble img[onerror], .bubble script").count() == 0
     assert page.input_value("#system") == "Be brief." and page.input_value("#temperature") == "0.5"
 
