@@ -10,7 +10,7 @@ mask, and constrained joint greedy output equals constrained baseline greedy out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import llguidance
@@ -56,34 +56,47 @@ def json_grammar(schema: dict, strict: bool, param: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What response_format asks the text to be: a JSON schema (`param` names it in errors)."""
+
+    schema: dict
+    param: str
+    strict: bool
+    text: str = ""  # its grammar alone
+
+    @property
+    def inline(self) -> dict:
+        """The schema with its compile options, for a lark grammar's `%json`."""
+        return {**self.schema, "x-guidance": {**JSON_OPTIONS, "lenient": not self.strict}}
+
+
 def request_grammar(req: m.GenerateRequest) -> Optional[Grammar]:
     """The grammar a request's output must follow: a required or named tool call; else its
     response_format (json_object or json_schema), or, with tools on "auto", a call or that
     format's JSON; None for free text."""
     answer = _answer(req)
     call = tools.call_grammar(req, lambda schema, param: json_grammar(schema, False, param),
-                              None if answer is None else {**answer[0], "x-guidance": answer[2]})
+                              None if answer is None else answer.inline)
     if call is not None:
         return Grammar(llguidance.LLMatcher.grammar_from_lark(call), "tools")
     if answer is None:
         return None
-    schema, param, options = answer
-    return Grammar(json_grammar(schema, not options["lenient"], param), param)
+    return Grammar(answer.text, answer.param)
 
 
-def _answer(req: m.GenerateRequest) -> Optional[tuple[dict, str, dict]]:
-    """response_format's (schema, its param, compile options), checked; None for text."""
+def _answer(req: m.GenerateRequest) -> Optional[Answer]:
+    """response_format's schema, checked; None for text."""
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        schema, param, strict = {"type": "object"}, "response_format", True
+        answer = Answer({"type": "object"}, "response_format", True)
     else:
         spec = rf.json_schema
-        schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
-        param, strict = "response_format.json_schema.schema", bool(spec.strict)
-    json_grammar(schema, strict, param)  # refuses an unusable schema by name
-    return schema, param, {**JSON_OPTIONS, "lenient": not strict}
+        answer = Answer(spec.schema_ if spec.schema_ is not None else {"type": "object"},
+                        "response_format.json_schema.schema", bool(spec.strict))
+    return replace(answer, text=json_grammar(answer.schema, answer.strict, answer.param))  # refuses an unusable one by name
 
 
 class Compiler:
