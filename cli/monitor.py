@@ -146,6 +146,8 @@ def _processes(s: dict, now: float, stale: bool) -> Table:
               f"uptime {_age(s['time'] - gw['started_at'])}, capacity {gw['capacity']}")
     wdetail = f"restarts {gw['worker_restarts']}" + (f", stats {now - ws['time']:.1f}s old" if ws else "")
     t.add_row("worker", str(w["pid"]) if w else NONE, up(bool(w), "ready" if w else "down"), wdetail)
+    for r in (ws or {}).get("ranks", []):  # a distributed worker: its group moves as one
+        t.add_row(f"  rank {r['rank']}", str(r["pid"]), up(bool(w), "up" if w else "down"), f"on {r['host']}")
     cache_on = bool(ws and ws.get("cache_bytes") is not None)
     t.add_row("cache", NONE, Text("up" if cache_on else OFF, style="green" if cache_on else "dim"),
               "" if cache_on else "no cache service: no prefix reuse")

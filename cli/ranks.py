@@ -159,6 +159,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
+def core_shares(n: int) -> list[Optional[set[int]]]:
+    """The cores of this machine split among n local ranks (None each where it cannot be): ranks
+    that share cores wait at every all_sum for one another's time slice (docs/benchmarks.md)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None] * n
+    cores = sorted(os.sched_getaffinity(0))
+    k = len(cores) // n
+    return [set(cores[i * k : (i + 1) * k]) for i in range(n)] if k else [None] * n
+
+
+def _start_local(cores: Optional[set[int]]):
+    def start() -> None:
+        _die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)  # the worker sizes its BLAS threads to these
+
+    return start
+
+
 def _files_env(env: dict[str, str], runtime_dir: str, rank: int) -> dict[str, str]:
     """MLX reads the ring hostfile and the RDMA device list from files: write them (locally)."""
     out = dict(env)
@@ -189,10 +208,12 @@ class RankGroup:
         check_hosts(plan)
         self.plan, self.procs, self.returncode = plan, [], None
         argv = [*argv, "--shard", plan.shard, "--backend", plan.backend, "--rank-timeout-s", str(plan.rank_timeout_s)]
+        local = [i for i, h in enumerate(plan.hosts) if h.local]
+        cores = dict(zip(local, core_shares(len(local)) if plan.backend == "ring" else [None] * len(local)))
         for i, (host, renv) in enumerate(zip(plan.hosts, rank_env(plan, runtime_dir))):
             if host.local:
                 p = subprocess.Popen(argv, env={**env, **_files_env(renv, runtime_dir, i)}, pass_fds=pass_fds,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_start_local(cores[i]))
             else:
                 p = subprocess.Popen(["ssh", "-tt", "-o", "LogLevel=QUIET", host.ssh, _remote_command(renv, argv)],
                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)

@@ -171,4 +171,6 @@ def render(c: Counters, *, model: Optional[str], draft: Optional[str], worker_up
     e.one("cache_bytes", "gauge", "Bytes of reusable snapshots held (0 when no cache service).", s.cache_bytes or 0)
     e.one("cache_queries_total", "counter", "Cache lookups by the worker.", s.cache_lookups)
     e.one("cache_hits_total", "counter", "Cache lookups that found a reusable prefix.", s.cache_hits)
+    e.family("worker_rank_up", "gauge", "1 for each rank of a distributed worker while it serves.",
+             [({"rank": str(r.rank), "pid": str(r.pid), "host": r.host}, int(worker_up)) for r in s.ranks])
     return e.text()

@@ -294,6 +294,14 @@ class EventBatch(Struct, tag=True):
     events: list[Event]
 
 
+class RankStatus(Struct):
+    """A rank of a distributed worker group (launch-stack --ranks/--hostfile)."""
+
+    rank: int
+    pid: int
+    host: str
+
+
 class StatsSnapshot(Struct, tag=True):
     process: str
     pid: int
@@ -319,6 +327,7 @@ class StatsSnapshot(Struct, tag=True):
     cache_generation_hits: int = 0  # of cache_hits, those on end-of-generation snapshots
     cache_reused_tokens: int = 0
     cache_evictions: int = 0
+    ranks: list[RankStatus] = []  # a distributed worker's ranks (empty: one process)
 
 
 # ---- worker <-> cache service (DEALER -> ROUTER): snapshot metadata and the byte budget ----

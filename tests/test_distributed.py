@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
@@ -136,6 +137,26 @@ async def test_a_cancel_reaches_every_rank(group):
     assert status == 200 and body["usage"]["completion_tokens"] == N_TOKENS
     assert group.worker_pid() == pid and group.health()[1]["worker_restarts"] == 0
     assert "cancel" in group.log()
+
+
+def test_metrics_and_the_monitor_show_every_rank(group):
+    from rich.console import Console
+
+    from cli.monitor import Monitor, fetch_stats, render
+
+    pids = rank_pids(group)
+    wait_until(lambda: len((fetch_stats(group.url, None)["worker_stats"] or {}).get("ranks", [])) == 2, 10,
+               "the worker's stats to name both ranks")
+    with urllib.request.urlopen(group.url + "/metrics") as r:
+        metrics = r.read().decode()
+    for rank, pid in pids.items():
+        assert re.search(rf'verity:worker_rank_up{{rank="{rank}",pid="{pid}",host="[^"]+"}} 1', metrics), metrics
+    mon = Monitor(group.url)
+    mon.update(fetch_stats(group.url, None))
+    console = Console(width=120, record=True)
+    console.print(render(mon))
+    text = console.export_text()
+    assert all(re.search(rf"rank {rank}\s+{pid}\s+up", text) for rank, pid in pids.items()), text
 
 
 async def test_a_killed_rank_takes_the_group_down_and_it_restarts_whole(group):

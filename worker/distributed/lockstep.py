@@ -13,6 +13,7 @@ from typing import Optional
 
 import msgspec
 
+from protocol import messages as m
 from worker.distributed.link import Diverged, GroupBroken, Link, RoundBudgets, StepInput, Submitted, broken_group, digest
 from worker.engine import Engine, EngineConfig, RequestError, _Request
 from worker.loader import LoadedModel
@@ -85,6 +86,12 @@ class LeaderEngine(GroupEngine):
         self._staged: list[_Request] = []
         self._staged_cancels: set[str] = set()
         self._digest = 0
+        self.ranks: list[m.RankStatus] = []  # every rank's, for the stats
+
+    def stats(self, pid: int) -> m.StatsSnapshot:
+        snapshot = super().stats(pid)
+        snapshot.ranks = self.ranks
+        return snapshot
 
     def _enqueue(self, r: _Request) -> None:
         if r.req.seed is None:  # every rank samples the request with the same keys

@@ -14,7 +14,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from protocol import runtime
+from protocol import messages as m, runtime
 from worker.distributed.link import GroupBroken, Link, Watchdog
 from worker.distributed.lockstep import FollowerEngine, LeaderEngine
 from worker.distributed.shard import ShardError, shard_model
@@ -96,7 +96,7 @@ def _lead(engine: LeaderEngine, lm, args: argparse.Namespace, ranks: list[RankIn
 
     for r in ranks:
         log.info("rank %d: pid %d on %s", r.rank, r.pid, r.host)
-    engine.ranks = ranks
+    engine.ranks = [m.RankStatus(r.rank, r.pid, r.host) for r in ranks]
     engine.warmup()
     proc = WorkerProc(engine, lm, args.runtime_dir)
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
