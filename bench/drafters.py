@@ -29,21 +29,15 @@ class ControlledDrafter(Drafter):
 
     def pick(self, position: int) -> int:
         ref = self.reference[position] if position < len(self.reference) else 0
-        hit = random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
-        return ref if hit else (ref + 1) % self.vocab_size
+        return ref if self.meant_right(position) else (ref + 1) % self.vocab_size
+
+    def meant_right(self, position: int) -> bool:
+        """Whether its proposal at this output position is the reference's token."""
+        return random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
 
 
 class ForcedDrafter(ControlledDrafter):
-    """The controlled draft, remembering which of its proposals it meant to be right."""
-
-    def propose_lazily(self, context, k, position, params, key_fn):
-        self.meant_right: list[bool] = []
-        return super().propose_lazily(context, k, position, params, key_fn)
-
-    def pick(self, position):
-        tok = super().pick(position)
-        self.meant_right.append(tok == (self.reference[position] if position < len(self.reference) else 0))
-        return tok
+    """The controlled draft, whose proposals ForcedDecoder accepts by its intent."""
 
 
 class ForcedDecoder(JointDecoder):
@@ -55,6 +49,6 @@ class ForcedDecoder(JointDecoder):
     costs (draft steps, verify width, recovery of n accepted) are those of real acceptance."""
 
     def decide(self, drafted, qs, logits, choices=None):
-        flags = self.drafter.meant_right[: len(drafted)] if drafted else []
+        flags = [self.drafter.meant_right(self.position + i) for i in range(len(drafted))]
         n = next((i for i, right in enumerate(flags) if not right), len(flags))
         return n, (mx.argmax(logits[n]) if choices is None else choices[n]).item()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from worker.round import Paid, RowState, SetApart
@@ -56,6 +57,28 @@ class BaselineBatch:
                 self.rows[p.uid].boundary_reached(lambda uid=p.uid: self.cache_of(uid))
         for r in generated:
             self.rows[r.uid].deliver(r.token, r.logprobs)
+
+    def join_at(self, row, tokens: list[int], cache: list) -> int:
+        """A joint request that stops drafting: its cache holds tokens[:-1] and its last token is
+        emitted already, so the batch feeds that token next step and delivers from the one after."""
+        sampling = row.sampling
+        uid = self.gen.insert_segments([[tokens[-1:]]], caches=[cache], all_tokens=[tokens[:-1]],
+                                       samplers=[sampling.sampler], logits_processors=[sampling.processors])[0]
+        self.rows[uid] = row
+        return uid
+
+    def leave_at(self, uid: int) -> tuple[list, mx.array, mx.array]:
+        """Takes a row out: its cache (every token delivered) and the token the batch computed
+        ahead for it, with its log-probabilities. BatchGenerator.remove drops that token and the
+        cache holds the one before it, so it is read from mlx-lm 0.32's GenerationBatch."""
+        stage, idx = self.gen._find_uids([uid])[uid]
+        if stage != 2:
+            raise RuntimeError(f"row {uid} left the batch before its first step")
+        ahead = self.gen._generation_batch
+        token, logprobs = ahead._next_tokens[idx], ahead._next_logprobs[idx]
+        self.rows.pop(uid)
+        cache = self.gen.remove([uid], return_prompt_caches=True)[uid][0]
+        return cache, token, logprobs
 
     def cache_of(self, uid: int) -> list:
         return self.gen.extract_cache([uid])[uid][0]

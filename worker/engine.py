@@ -25,7 +25,8 @@ from worker.joint.batch import joint_round
 from worker.joint.decoder import CycleStats, JointDecoder
 from worker.joint.draft import Drafter
 from worker.loader import LoadedModel
-from worker.round import Group, Row, joint_group, plan_round, run_round
+from worker.joint.parked import Parking
+from worker.round import Group, Row, SetApart, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
 from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
@@ -43,6 +44,7 @@ class EngineConfig:
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     batch_verify: bool = True  # joint requests of a round share batched draft and verify forwards
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
+    park: bool = True  # joint rows drafting nothing decode in the baseline batch (docs/design.md, "Parked joint rows")
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
 
@@ -113,6 +115,7 @@ class Engine:
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
         self.baseline = BaselineBatch(lm.model, config.prefill_step, config.max_active)
+        self.parking = Parking(self.baseline) if config.park else None
         self.cache_cost = memory.cache_cost(lm.model)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
@@ -223,6 +226,8 @@ class Engine:
         by_id = {r.id: r for r in self._active}
         rows = [Row(r.id, r.decoder, self._tokens_left(r)) for r in self._active]
         sr = plan_round(rows, self.scheduler, self.config.batch_verify)
+        if self.parking and self.parking.apply(sr, lambda row, e: self._fail(by_id[row.request_id], e, events)):
+            sr.reason = sr.reason or SetApart.BATCH_SWITCH
         lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
         joint_starts = [r for r in self._active if r.req.mode == "joint" and not r.decoder.started]
         blas_threads.use(self._params * (self.baseline.prefill_next() + sum(len(r.prompt) for r in joint_starts))
@@ -237,9 +242,10 @@ class Engine:
                     break
             return kept
 
-        baseline = Group([r.id for r in self._active if r.req.mode != "joint"], self._baseline_cycles)
+        batch = Group([r.id for r in self._active if r.req.mode != "joint" or r.decoder.parked], self._baseline_cycles)
+        own = [s.request_id for s in sr.states if not by_id[s.request_id].decoder.in_batch]  # cycles of their own
         report = run_round(sr, emit, lambda row, e: self._fail(by_id[row.request_id], e, events),
-                           [baseline] + joint_group(sr, joint_round))
+                           [batch] + ([Group(own, joint_round)] if sr.batched and own else []))
         for r in [r for r in self._active if r.done]:
             r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
             self._release(r)
@@ -249,7 +255,7 @@ class Engine:
         """One step of the baseline batch: a token for each row in generation, a prefill chunk
         of each joining."""
         self.baseline.step()
-        return [row.advance() for row in rows]
+        return [row.advance(0, False) for row in rows]
 
     def _tokens_left(self, r: _Request) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
@@ -383,6 +389,8 @@ class Engine:
 
     def _release(self, r: _Request) -> None:
         self.scheduler.forget(r.id)
+        if self.parking:
+            self.parking.forget(r.id)
         self._reserved -= r.reserved
         r.reserved = 0
         if r in self._active:

@@ -33,6 +33,7 @@ class SetApart(str, Enum):
     FIRST_PLAIN_ROUNDS = "first plain rounds"  # a request's own start, before it ever drafted
     LAST_PLAIN_ROUND = "last plain round"  # computes nothing ahead: only the wait for its token
     PREFILL_OR_ERROR = "prefill or error"  # a request prefilled or failed in the round
+    BATCH_SWITCH = "batch switch"  # a joint row moved into the baseline batch or out of it
     STALL = "stall"  # many times its cell's median
 
     def __str__(self) -> str:

@@ -19,9 +19,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from worker.round import CATCH_UP_LAG, Paid, RowState, SetApart
+from worker.round import CATCH_UP_LAG, PIPELINE_WARM_ROUNDS, Paid, RowState, SetApart
 from worker.state import checkpoint as st
 from worker.state.reuse import Held
+from worker.joint import parked
 from worker.joint.draft import Drafter, pow2_pieces
 from worker.joint.sampling import SamplingParams, accept_greedy, accept_sampled, make_key_fn, token_probs
 from worker.sampling import Chosen, RowSampling, chosen, log_softmax, process
@@ -74,6 +75,9 @@ class JointDecoder:
         self.target, self.drafter, self.params = target, drafter, params
         self.processors = sampling.processors if sampling else []
         self.top_logprobs = sampling.logprobs if sampling else None
+        self.sampling = sampling or RowSampling(params, seed)
+        self._seat: Optional[parked.Seat] = None  # parked in the baseline batch
+        self._switched: Optional[tuple] = None  # a park's or unpark's token and its log-probs, for the next advance
         self.chosen: list[Chosen] = []  # log-probabilities of the last advance's tokens, when asked
         self.recovery, self.prefill_step = recovery, prefill_step
         self.cache = st.make_cache(target) if cache is None else cache
@@ -93,24 +97,76 @@ class JointDecoder:
         self._drafting_cycles = 0
         self.pipelined_start = pipelined_start
         self.started = False
-        self._just_started = False  # the last advance was the start: nothing to commit
+        self._nothing_held = False  # the last advance left nothing to recover (the start, or the batch's tokens)
 
     # ---- the round's Decoder (worker/round.py) ----
 
     def state(self, request_id: str, tokens_left: int) -> Optional[RowState]:
         if not self.started:
             return None
-        ahead = self._ahead is not None
+        ahead = self._ahead is not None or self._seat is not None  # the batch computes ahead too
+        plain_run = PIPELINE_WARM_ROUNDS if self._seat is not None else self._plain_run
         return RowState(request_id, room=max(0, tokens_left - 1 - ahead), lag=self.draft_lag,
-                        lacks_prompt=self.draft_lacks_prompt, ahead=ahead, plain_run=self._plain_run,
+                        lacks_prompt=self.draft_lacks_prompt, ahead=ahead, plain_run=plain_run,
                         has_drafted=self._drafting_cycles > 0, last=tokens_left <= 1)
 
     def advance(self, k: int, last: bool = False) -> list[int]:
         """The first call starts (prefills); each later one is a cycle drafting k."""
-        self._just_started = not self.started
-        if self._just_started:
+        self._nothing_held = not self.started or self._switched is not None or self._seat is not None
+        if not self.started:
             return [self.start(self.pipelined_start)]
+        if self._nothing_held:
+            return self._batch_tokens()
         return self.cycle(k, last)
+
+    # ---- parked in the baseline batch (worker/joint/parked.py) ----
+
+    @property
+    def parked(self) -> bool:
+        return self._seat is not None
+
+    @property
+    def in_batch(self) -> bool:
+        """This round's tokens come from the batch or a switch, not from a cycle of its own."""
+        return self._seat is not None or self._switched is not None
+
+    def park(self, batch) -> None:
+        """Moves this row into the baseline batch, which feeds its last token and delivers the
+        rest: a look-ahead's token is taken for the next advance; else that advance has none
+        (the batch's first step for the row is the forward of its last token)."""
+        self._switched = ([], [])
+        if self._ahead is not None:
+            self._switched = (self.take_ahead(), self._taken_chosen)
+            self._taken_chosen = []
+        self._stop_recording()
+        self._seat = parked.Seat(batch, parked.batch_sampling(self.sampling))
+        self._seat.uid = batch.join_at(self._seat, self.tokens, self.cache)
+        self.cache = None
+
+    def unpark(self) -> None:
+        """Takes this row out of the batch: the batch's cache holds every token delivered, and the
+        token it computed ahead (the target's own next) goes to the next advance; drafting starts
+        the round after."""
+        cache, token, lp = self._seat.batch.leave_at(self._seat.uid)
+        self._seat = None
+        self.cache = parked.recording(cache)
+        tok = token.item()
+        self._switched = ([tok], self._chosen([(lp, tok)]))
+        self.tokens.append(tok)
+        self._plain_run = 0
+
+    def _batch_tokens(self) -> list[int]:
+        """A parked row's tokens this round: a switch's, or what the batch delivered."""
+        if self._switched is not None:
+            (out, self.chosen), self._switched = self._switched, None
+        else:
+            got = self._seat.take()
+            out = [t for t, _ in got]
+            self.chosen = self._chosen([(lp, t) for t, lp in got])
+            self.tokens += out
+        self.stats.cycles += len(out)
+        self.last_cycle, self.draft_s = (0, 0), 0.0
+        return out
 
     # ---- start ----
 
@@ -167,7 +223,9 @@ class JointDecoder:
         return taken + self.accept(drafted, qs, logits, ck, t1 - t0, t1, choices, timed)
 
     def close(self) -> None:
-        pass
+        if self._seat is not None:
+            self._seat.batch.leave(self._seat.uid)
+            self._seat = None
 
     def adopt_cache(self, cache: list) -> None:
         """After a batched verify (worker/joint/batch.py): this request's row of the batch cache."""
@@ -263,6 +321,8 @@ class JointDecoder:
 
     def held(self) -> Held:
         """What the caches hold once a pending look-ahead is undone (for a snapshot)."""
+        if self._seat is not None:  # the batch's cache holds every token delivered
+            return Held(list(self.tokens), self._seat.batch.cache_of(self._seat.uid), self.drafter)
         self.settle()
         return Held(self.tokens[:-1], self.cache, self.drafter)
 
@@ -350,8 +410,8 @@ class JointDecoder:
 
     def commit(self, m: int) -> None:
         """Keeps the first m emitted tokens and recovers both caches to exactly that prefix."""
-        if self._just_started:  # the start's one token: nothing to recover
-            self._just_started = False
+        if self._nothing_held:  # the start's token, or the batch's: nothing to recover
+            self._nothing_held = False
             return
         drafted, emitted, ck = self._pending
         self._pending = None

@@ -1,0 +1,92 @@
+"""Joint rows parked in the baseline batch: a joint request the plan drafts nothing for decodes
+as a row of the batch's one forward, leaves it when the plan drafts for it, and its greedy output
+stays the target's own, whatever the moves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+import pytest
+
+from joint_fixtures import load_pair
+from protocol import messages as m
+from test_batching import CountingModel, chat, divergences_off_near_ties, drive
+from worker.engine import Engine, EngineConfig
+from worker.round import RoundInput, RoundPlan, SetApart
+from worker.scheduler import Scheduler
+
+PROMPTS = ["the quick brown fox", "hello world", "once upon a time " * 3, "one two three four",
+           "tell me a story about the sea", "hi"]
+
+
+@pytest.fixture(scope="module", params=["llama+llama", "qwen3_5+qwen3_5"])
+def pair(request, tmp_path_factory):
+    return load_pair(tmp_path_factory.mktemp("parking"), request.param)
+
+
+class Waves(Scheduler):
+    """A plan that drafts `k` for every joint row in waves (rounds `on` of every `period`) and
+    nothing between them: rows park, leave the batch to draft, and park again."""
+
+    def __init__(self, k: int = 2, period: int = 7, on: range = range(4, 6)):
+        super().__init__(fixed=0)
+        self.k, self.period, self.on, self.round, self.reasons = k, period, on, 0, []
+
+    def plan_round(self, inp: RoundInput) -> RoundPlan:
+        self.round += 1
+        k = self.k if self.round % self.period in self.on else 0
+        return RoundPlan({s.request_id: min(k, s.room) for s in inp.rows})
+
+    def observe(self, report) -> None:
+        self.reasons.append(report.reason)
+
+
+def joint(text: str, n: int, **kw) -> m.GenerateRequest:
+    return chat(text, n, mode="joint", **kw)
+
+
+def test_joint_rows_drafting_nothing_decode_in_the_baseline_forward(pair):
+    counting = CountingModel(pair.target.model)
+    target = dataclasses.replace(pair.target, model=counting)
+    engine = Engine(target, EngineConfig(max_active=4, draft_budget=0), pair.drafts["copy"])
+    for i, p in enumerate(PROMPTS[:4]):
+        engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 40))
+    tokens = 0
+    while tokens < 4 * 10:  # past every prefill and park: all four rows decode
+        tokens += sum(len(e.token_ids) for e in engine.step() if isinstance(e, m.TextDelta))
+    counting.shapes.clear()
+    events = engine.step()
+    assert counting.shapes == [(4, 1)]  # two baseline and two joint rows, one forward
+    assert sorted(e.request_id for e in events if isinstance(e, m.TextDelta)) == ["r0", "r1", "r2", "r3"]
+
+
+def test_greedy_output_is_exact_as_joint_rows_move_in_and_out_of_the_batch(pair):
+    reqs = {f"r{i}": (joint if i % 3 else chat)(p, 14 + 3 * i) for i, p in enumerate(PROMPTS)}
+    arrivals = {0: [("r0", reqs["r0"]), ("r1", reqs["r1"]), ("r2", reqs["r2"])], 3: [("r3", reqs["r3"])],
+                9: [("r4", reqs["r4"])], 13: [("r5", reqs["r5"])]}
+    engine = Engine(pair.target, EngineConfig(max_active=6, prefill_step=16), pair.drafts["perturbed"])
+    engine.scheduler = waves = Waves()
+    got = drive(engine, arrivals, cancels={20: ["r4"]})
+    assert SetApart.BATCH_SWITCH in waves.reasons  # rows did move
+    assert engine.totals.joint.drafted > 0
+    for rid, req in reqs.items():
+        want = drive(Engine(pair.target, EngineConfig(max_active=1)),
+                     {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        if rid == "r4":  # cancelled mid-stream: what it got is the start of its own output
+            assert got[rid] == want[: len(got[rid])]
+            continue
+        assert len(got[rid]) == req.max_tokens
+        assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
+
+
+def test_a_parked_row_that_is_sampled_draws_from_its_own_key(pair):
+    """A seeded joint request with a fixed plan (plain, so parked) samples the same in any batch."""
+    seeded = joint("once upon a time", 16, temperature=0.9, top_p=0.95, seed=77)
+    others = [(f"o{i}", chat(p, 20, temperature=1.0)) for i, p in enumerate(PROMPTS[:3])]
+
+    def run(arrivals):
+        return drive(Engine(pair.target, EngineConfig(max_active=6, draft_budget=0), pair.drafts["copy"]), arrivals)["s"]
+
+    assert run({0: [("s", seeded), others[0]]}) == run({0: others[:2] + [("s", seeded)], 1: others[2:]})
