@@ -128,7 +128,7 @@ def format_metrics(mx: dict, finish_reason: Optional[str] = None) -> str:
 
 def request_body(args: argparse.Namespace, messages: list[dict]) -> dict:
     body: dict = {"messages": messages}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "mode", "thinking"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "mode", "thinking"):
         value = getattr(args, name, None)
         if value is not None:
             body[name] = value
@@ -152,9 +152,23 @@ def _print_metrics(result: StreamResult) -> None:
 # ---- verity generate ----
 
 
+def prompt_text(arg: Optional[str]) -> str:
+    """The prompt: the argument, or standard input for `-` or when it is omitted and stdin is piped."""
+    if arg == "-" or (arg is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if arg is None:
+        raise ServerError("no prompt: give it as an argument, or `-` (or a pipe) to read standard input")
+    return arg
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    try:
+        prompt = prompt_text(args.prompt)
+    except ServerError as e:
+        _print_error(e)
+        return 2
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": args.prompt}]
+               [{"role": "user", "content": prompt}]
     body = request_body(args, messages)
     try:
         if args.json:
@@ -208,13 +222,36 @@ def _read_message() -> Optional[str]:
         return "\n".join(lines)
 
 
+def joint_available(args: argparse.Namespace) -> Optional[bool]:
+    """The server's `joint_available` (/v1/verity/info); None when it cannot be asked."""
+    headers = {"Authorization": f"Bearer {_api_key(args)}"} if _api_key(args) else {}
+    req = urllib.request.Request(args.url.rstrip("/") + "/v1/verity/info", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return bool(json.loads(r.read()).get("joint_available"))
+    except (OSError, ValueError):
+        return None
+
+
+def _switch_mode(args: argparse.Namespace, mode: str) -> None:
+    if mode == "joint" and joint_available(args) is False:
+        err.print("this server has no draft model: joint mode needs launch-stack --draft", style="dim")
+    elif mode in ("joint", "baseline"):
+        args.mode = mode
+        err.print(f"mode: {mode}", style="dim")
+    else:
+        err.print(f"mode is {args.mode or 'baseline'}; use /mode joint|baseline", style="dim")
+
+
 def run_chat(args: argparse.Namespace) -> int:
+    """Exits 1 when any request failed (a script can tell), else 0."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(system)
+    failed = 0
     err.print(CHAT_HELP, style="dim", markup=False)
     while True:
         try:
@@ -222,7 +259,7 @@ def run_chat(args: argparse.Namespace) -> int:
         except EOFError:
             _end_line()
             print()
-            return 0
+            return 1 if failed else 0
         except KeyboardInterrupt:
             print()
             continue
@@ -230,18 +267,13 @@ def run_chat(args: argparse.Namespace) -> int:
         if not cmd:
             continue
         if cmd in ("/quit", "/exit"):
-            return 0
+            return 1 if failed else 0
         if cmd == "/reset":
             history = list(system)
             err.print("conversation cleared", style="dim")
             continue
         if cmd.startswith("/mode"):
-            mode = cmd[5:].strip()
-            if mode in ("joint", "baseline"):
-                args.mode = mode
-                err.print(f"mode: {mode}", style="dim")
-            else:
-                err.print(f"mode is {args.mode or 'baseline'}; use /mode joint|baseline", style="dim")
+            _switch_mode(args, cmd[5:].strip())
             continue
         if cmd.startswith("/") and " " not in cmd:
             err.print(f"unknown command {cmd}; {CHAT_HELP}", style="dim", markup=False)
@@ -253,6 +285,7 @@ def run_chat(args: argparse.Namespace) -> int:
             _end_line()
             _print_error(e)
             history.pop()
+            failed += 1
             continue
         except KeyboardInterrupt:  # closing the connection cancels the request on the server
             _end_line()
@@ -268,26 +301,31 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("VERITY_URL", DEFAULT_URL), help=f"the stack (default {DEFAULT_URL})")
+    server = "the server's default (launch-stack's flag, or the model's)"
+    p.add_argument("--url", default=os.environ.get("VERITY_URL", DEFAULT_URL), help="the stack ($VERITY_URL)")
     p.add_argument("--api-key", default=None, help="bearer token (default: $VERITY_API_KEY)")
     p.add_argument("--system", default=None, help="a system message")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help=f"default: {server}")
+    p.add_argument("--temperature", type=float, default=None, help=f"default: {server}")
+    p.add_argument("--top-p", type=float, default=None, help=f"default: {server}")
+    p.add_argument("--top-k", type=int, default=None, help=f"default: {server}")
+    p.add_argument("--min-p", type=float, default=None, help=f"default: {server}")
+    p.add_argument("--seed", type=int, default=None, help="default: a random seed")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--mode", choices=("baseline", "joint"), default=None)
+    p.add_argument("--mode", choices=("baseline", "joint"), default=None, help="default: baseline")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="ask a thinking model to think (or not)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
 def add_commands(sub) -> None:
-    g = sub.add_parser("generate", help="stream one answer from a running stack")
-    g.add_argument("prompt")
+    from cli.config import DefaultsFormatter as fmt
+    g = sub.add_parser("generate", help="stream one answer from a running stack", formatter_class=fmt)
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt; `-` or a pipe: read standard input")
     _common(g)
     g.add_argument("--json", action="store_true", help="print the whole (non-streamed) response JSON")
     g.set_defaults(run=run_generate)
-    c = sub.add_parser("chat", help="interactive chat with a running stack")
+    c = sub.add_parser("chat", help="interactive chat with a running stack (exits 1 after a failed request)",
+                       formatter_class=fmt)
     _common(c)
     c.set_defaults(run=run_chat)

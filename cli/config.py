@@ -15,8 +15,27 @@ from typing import Any
 EXIT_USAGE = 1  # launch-stack's "the start failed"; argparse's usual 2 means "the worker kept dying" here
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help (a flag unset by default, None, says what that means itself)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with usage errors exiting 1, so launch-stack's exit codes keep their meaning."""
+    """argparse with usage errors exiting 1, so launch-stack's exit codes keep their meaning, and
+    every flag's default shown by --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and any(a.startswith("--") for a in args):
+            kwargs["help"] = "(default: %(default)s)"  # the formatter shows defaults only beside help text
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str):
         self.print_usage(sys.stderr)

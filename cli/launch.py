@@ -73,7 +73,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "or half the machine's on the CPU, less the weights)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; past that, 429")
     p.add_argument("--api-key", default=None, help="require this bearer token (or set VERITY_API_KEY)")
-    p.add_argument("--max-tokens-cap", type=int, default=2048)
+    p.add_argument("--max-tokens-cap", type=int, default=2048, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens of a request that omits it (default: --max-tokens-cap; it also ends at the context's end)")
+    sampling = "a request that omits it gets this (default: the model's generation_config.json, else its card's value"
+    p.add_argument("--temperature", type=float, default=None, help=f"{sampling}; the embedded model: 0.2; else 1)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{sampling}; the embedded model: 0.9; else 1)")
+    p.add_argument("--top-k", type=int, default=None, help=f"{sampling}; else 0: off)")
+    p.add_argument("--min-p", type=float, default=None, help=f"{sampling}; else 0: off)")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name requests may give as `model` (repeatable); responses name what the request sent")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--keepalive-s", type=float, default=5.0)
@@ -92,6 +101,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="spill snapshots to files here (mode 0700) so reuse survives a worker restart")
     add_group_flags(p)
     return parse_with_config(p, argv)
+
+
+def sampling_flags(a: argparse.Namespace) -> list[str]:
+    """The worker's share of the request defaults: only those given."""
+    given = (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k), ("--min-p", a.min_p),
+             ("--max-tokens", a.max_tokens))
+    return [f"{flag}={value}" for flag, value in given if value is not None]
 
 
 def byte_size(text: str) -> int:
@@ -134,6 +150,7 @@ class Supervisor:
                                   *(["--kv-budget", str(a.kv_budget)] if a.kv_budget else []),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
                                   *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
+                                  *sampling_flags(a),
                                   *(["--decision-log", a.decision_log] if a.decision_log else []),
                                   *(["--prefix-cache"] if a.cache_bytes else []),
                                   *(["--cache-dir", os.path.abspath(a.cache_dir)] if a.cache_bytes and a.cache_dir else [])],
@@ -145,6 +162,7 @@ class Supervisor:
                                     "--drain-timeout-s", str(a.drain_timeout_s),
                                     "--request-timeout-s", str(a.request_timeout_s),
                                     *[f"--allow-host={h}" for h in a.allow_host],
+                                    *[f"--served-model-name={n}" for n in a.served_model_name],
                                     *[f"--allow-origin={o}" for o in a.allow_origin],
                                     *(["--log-prompts"] if a.log_prompts else [])], gw_env)
         if not a.cache_bytes:

@@ -107,11 +107,20 @@ def _ms(s: Optional[float]) -> str:
     return NONE if s is None else f"{s * 1000:.0f} ms"
 
 
+def _by_class(counts: dict) -> dict[int, int]:
+    """HTTP statuses -> counts by class (4: client errors, 5: server errors)."""
+    out = {4: 0, 5: 0}
+    for status, n in counts.items():
+        if str(status)[:1] in ("4", "5"):
+            out[int(str(status)[0])] += n
+    return out
+
+
 def _kv(title: str, rows: list[tuple[str, str]]) -> Table:
     t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_header=False,
               pad_edge=False, expand=True)
-    t.add_column(style="dim", no_wrap=True)
-    t.add_column(justify="right", no_wrap=True)
+    t.add_column(style="dim", ratio=3)  # labels wrap rather than crowd out the values
+    t.add_column(justify="right", no_wrap=True, min_width=7)
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -157,7 +166,7 @@ def _processes(s: dict, now: float, stale: bool) -> Table:
 def _figures(s: dict) -> Table:
     gw, ws, tot, rec = s["gateway"], s["worker_stats"] or {}, s["totals"], s["recent"]
     finished = tot["finished"]
-    rejected = sum(n for code, n in tot["responses"].items() if code != "200")
+    answered, ended = _by_class(tot["responses"]), _by_class(tot.get("error_statuses", {}))
     load = _kv("load", [
         ("running", str(gw["running"])), ("waiting", str(gw["waiting"])),
         ("worker queue depth", str(ws.get("queue_depth", 0))), ("worker active", str(ws.get("active", 0))),
@@ -166,7 +175,8 @@ def _figures(s: dict) -> Table:
     requests = _kv("requests", [
         ("finished", str(sum(finished.values()))),
         ("stop · length · cancelled", f"{finished.get('stop', 0)} · {finished.get('length', 0)} · {finished.get('cancelled', 0)}"),
-        ("errors · refused", f"{sum(tot['errors'].values())} · {rejected}"),
+        ("answered 4xx · 5xx", f"{answered[4]} · {answered[5]}"),  # client errors apart from server errors
+        ("admitted, then 4xx · 5xx", f"{ended[4]} · {ended[5]}"),
         ("prompt · generated tokens", f"{tot['prompt_tokens']} · {tot['generation_tokens']}"),
         ("TTFT p50 · p95", f"{_ms(rec['ttft_p50_s'])} · {_ms(rec['ttft_p95_s'])}"),
     ])
@@ -186,9 +196,9 @@ def _figures(s: dict) -> Table:
     cache = _kv("cache", [("bytes", OFF if cb is None else _bytes(cb) + (f" of {_bytes(budget)}" if budget else "")),
                           ("hit rate", OFF if cb is None else _ratio(ws.get("cache_hits", 0), ws.get("cache_lookups", 0))),
                           ("reused prompt tokens", str(tot["cached_tokens"]))])
-    grid = Table.grid(padding=(0, 4))
-    grid.add_column(min_width=44)
-    grid.add_column(min_width=44)
+    grid = Table.grid(padding=(0, 2), expand=True)  # halves of the width: labels wrap, values never cut
+    grid.add_column(ratio=1)
+    grid.add_column(ratio=1)
     grid.add_row(load, requests)
     grid.add_row(spec, cache)
     return grid

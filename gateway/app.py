@@ -14,13 +14,14 @@ from typing import Optional
 import msgspec
 from aiohttp import web
 
+from gateway import choices as many
 from gateway.guard import Guard, Refused, cors_headers
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
 from gateway.openapi import describe
 from gateway.surfaces import Surfaces
 from protocol import messages as m
-from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens
+from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens, top_logprobs
 from protocol.tool_rules import tools_offered
 
 log = logging.getLogger("verity.gateway")
@@ -47,6 +48,7 @@ class GatewayConfig:
     allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the loopback ones
     allow_origins: tuple[str, ...] = ()  # browser origins other than the server's own ("*": any)
     log_prompts: bool = False  # prompt text goes to the log only when asked for
+    served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
 
 
 class Gateway:
@@ -122,32 +124,65 @@ async def errors_and_auth(request: web.Request, handler):
         return json_error(e.status, e.reason, e.reason.lower().replace(" ", "_"), headers=allow)
 
 
+@web.middleware
+async def log_refusals(request: web.Request, handler):
+    """One log line for every refused request, schema-level 400s too: id, status, code, param."""
+    resp = await handler(request)
+    if resp.status >= 400 and isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+        try:
+            err = json.loads(resp.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            err = {}
+        param = f" (param {err['param']})" if err.get("param") else ""
+        log.info("[%s] refused %s %s: %d %s%s", resp.headers.get("X-Request-Id", "-"), request.method,
+                 request.path, resp.status, err.get("code"), param)
+    return resp
+
+
+def _refuse(rid: str, status: int, message: str, code: str, param: Optional[str] = None,
+            retry: bool = False) -> web.Response:
+    headers = {"X-Request-Id": rid, **({"Retry-After": str(RETRY_AFTER_S)} if retry else {})}
+    return json_error(status, message, code, param, headers=headers)
+
+
+def served_names(gw: Gateway) -> tuple[str, ...]:
+    """The model's id and its --served-model-name aliases (a request may name any)."""
+    return (gw.link.worker.model_id, *gw.config.served_names) if gw.link.worker else ()
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     chat = request.path.endswith("/chat/completions")
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if gw.draining:
-        return json_error(503, "the server is shutting down", "shutting_down")
+        return _refuse(rid, 503, "the server is shutting down", "shutting_down")
     try:
         req = parse_request(await request.read(), "chat" if chat else "completion")
-        resolve_max_tokens(req, gw.config.max_tokens_cap)
+        resolve_max_tokens(req, gw.config.max_tokens_cap, gw.link.worker.defaults.max_tokens if gw.link.worker else None)
+        choices = many.expand(req, chat)
     except RequestInvalid as e:
-        return json_error(400, e.message, e.code, e.param)
-    served = gw.link.worker.model_id if gw.link.worker else None
+        return _refuse(rid, 400, e.message, e.code, e.param)
     if not gw.link.ready:
-        return json_error(503, "the worker is not ready; retry shortly", "worker_unavailable",
-                          headers={"Retry-After": str(RETRY_AFTER_S)})
-    if req.model is not None and req.model != served:
-        return json_error(404, f"model `{req.model}` does not exist; this server serves `{served}`", "model_not_found", "model")
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    try:
-        t = gw.link.admit(rid, req)
-    except QueueFull:
-        return json_error(429, "too many requests are running or waiting; retry later", "queue_full",
-                          headers={"Retry-After": str(RETRY_AFTER_S)})
-    log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
+        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True)
+    names = served_names(gw)
+    if req.model is not None and req.model not in names:
+        return _refuse(rid, 404, f"model `{req.model}` does not exist; this server serves {', '.join(f'`{n}`' for n in names)}",
+                       "model_not_found", "model")
+    served = req.model or names[0]  # the name the client sent, as OpenAI clients expect
     if gw.config.log_prompts:  # asked for with --log-prompts; JSON keeps it on one line
         log.info("[%s] prompt: %s", rid, msgspec.json.encode(req.messages if chat else req.prompt).decode())
-    shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req))
+    if len(choices) > gw.link.capacity:
+        return _refuse(rid, 400, f"{len(choices)} choices (prompts × n) are more than this server admits at once "
+                       f"({gw.link.capacity}: --max-active + --queue-size)", "too_many_choices", "n")
+    if len(choices) > 1:
+        return await _choices(request, gw, rid, req, choices, chat, served)
+    try:
+        t = gw.link.admit(rid, choices[0].request)
+    except QueueFull:
+        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
+    log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
+    shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req),
+                    logprobs=top_logprobs(req) is not None)
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:
@@ -155,7 +190,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             async with asyncio.timeout_at(deadline):
                 first = await _first_event(t)
                 if isinstance(first, m.Error):
-                    return json_error(first.status, first.message, first.code, first.param)
+                    return _refuse(rid, first.status, first.message, first.code, first.param)
                 if not req.stream:
                     return await _whole(t, shaper, first)
         except TimeoutError:
@@ -194,12 +229,14 @@ async def _first_event(t: Tracked):
 
 async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
     parts: list[str] = []
+    logprobs: list[m.TokenLogprob] = []
     ev = first if first is not None else await t.events.get()
     while True:
         if isinstance(ev, m.TextDelta):
             parts.append(ev.text)
+            logprobs.extend(ev.logprobs or [])
         elif isinstance(ev, m.Finished):
-            return web.json_response(shaper.whole("".join(parts), ev), headers={"X-Request-Id": t.id})
+            return web.json_response(shaper.whole("".join(parts), ev, logprobs), headers={"X-Request-Id": t.id})
         elif isinstance(ev, m.Error):
             return json_error(ev.status, ev.message, ev.code, ev.param)
         ev = await t.events.get()
@@ -226,8 +263,8 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
                     if ev is None:
                         await resp.write(b": keep-alive\n\n")
                         continue
-                if isinstance(ev, m.TextDelta) and ev.text:
-                    await _sse(resp, shaper.chunk(text=ev.text))
+                if isinstance(ev, m.TextDelta) and (ev.text or ev.logprobs):
+                    await _sse(resp, shaper.chunk(text=ev.text, logprobs=ev.logprobs))
                 elif isinstance(ev, m.Finished):
                     ended = True
                     await _sse(resp, shaper.chunk(finished=ev))
@@ -264,6 +301,54 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
     return resp
 
 
+async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateRequest,
+                   choices: list[many.Choice], chat: bool, served: str) -> web.StreamResponse:
+    """Several choices (n > 1, or several prompts): each a row of the worker's batch, merged here."""
+    try:
+        tracked = many.admit_all(gw.link, rid, choices)
+    except QueueFull:
+        return _refuse(rid, 429, f"{len(choices)} choices do not fit in the queue now; retry later", "queue_full", retry=True)
+    log.info("[%s] admitted %d choices (%s, stream=%s)", rid, len(choices), req.mode, req.stream)
+    rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req))
+
+    def cancel() -> None:
+        for t in tracked:
+            gw.link.cancel(t.id)
+
+    limit = gw.config.request_timeout_s or None
+    deadline = asyncio.get_running_loop().time() + limit if limit else None
+    resp = None
+    try:
+        async with asyncio.timeout_at(deadline):
+            firsts = [await _first_event(t) for t in tracked]
+            refused = next((e for e in firsts if isinstance(e, m.Error)), None)
+            if refused is not None:
+                cancel()
+                await many.Merged(rows, firsts).drain()
+                return _refuse(rid, refused.status, refused.message, refused.code, refused.param)
+            if not req.stream:
+                return await many.whole(rows, firsts, cancel)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": rid})
+            await resp.prepare(request)
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            await many.stream(resp, rows, firsts, usage, cancel)
+            return resp
+    except TimeoutError:
+        for t in tracked:
+            _time_limit_reached(gw, t)
+        if resp is None:
+            return _refuse(rid, 504, _time_limit_message(limit), "request_timeout")
+        async with asyncio.timeout(WRITE_GRACE_S):
+            await _sse(resp, error_body(504, _time_limit_message(limit), "request_timeout"))
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        log.info("[%s] client went away: cancelling its choices", rid)
+        cancel()
+        raise
+
+
 async def _sse(resp: web.StreamResponse, obj: dict) -> None:
     await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
@@ -272,11 +357,12 @@ async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     if not gw.link.worker:
         return json_error(503, "the worker is not ready", "worker_unavailable")
-    card = {"id": gw.link.worker.model_id, "object": "model", "created": int(gw.started_at), "owned_by": "verity"}
+    cards = [{"id": n, "object": "model", "created": int(gw.started_at), "owned_by": "verity"} for n in served_names(gw)]
     name = request.match_info.get("model")
     if name is None:
-        return web.json_response({"object": "list", "data": [card]})
-    if name != card["id"]:
+        return web.json_response({"object": "list", "data": cards})  # the model's id first, then its aliases
+    card = next((c for c in cards if c["id"] == name), None)
+    if card is None:
         return json_error(404, f"model `{name}` does not exist", "model_not_found", "model")
     return web.json_response(card)
 
@@ -307,11 +393,13 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(describe(
         cap=gw.config.max_tokens_cap, model=w.model_id if w else None, joint=bool(w and w.joint_available),
         auth=bool(gw.config.api_key), context_limit=w.context_limit if w else None,
-        max_body_bytes=gw.config.max_body_bytes, request_timeout_s=gw.config.request_timeout_s))
+        max_body_bytes=gw.config.max_body_bytes, request_timeout_s=gw.config.request_timeout_s,
+        aliases=gw.config.served_names))
 
 
 def make_app(gw: Gateway) -> web.Application:
-    app = web.Application(middlewares=[host_and_origin, errors_and_auth], client_max_size=gw.config.max_body_bytes)
+    app = web.Application(middlewares=[log_refusals, host_and_origin, errors_and_auth],
+                          client_max_size=gw.config.max_body_bytes)
     app[GATEWAY] = gw
     app.on_response_prepare.append(_cors_on_prepare)
     app.router.add_get("/openapi.json", openapi)
@@ -320,5 +408,7 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
-    Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining).register(app)
+    surfaces = Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining)
+    surfaces.aliases = gw.config.served_names
+    surfaces.register(app)
     return app

@@ -34,6 +34,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--allow-host", action="append", default=[])
     p.add_argument("--allow-origin", action="append", default=[])
+    p.add_argument("--served-model-name", action="append", default=[])
     p.add_argument("--log-prompts", action="store_true")
     a = p.parse_args(argv)
     return GatewayConfig(
@@ -42,7 +43,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         max_tokens_cap=a.max_tokens_cap, max_body_bytes=a.max_body_bytes,
         keepalive_s=a.keepalive_s, drain_timeout_s=a.drain_timeout_s,
         request_timeout_s=a.request_timeout_s or None, allow_hosts=tuple(a.allow_host),
-        allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts,
+        allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts, served_names=tuple(a.served_model_name),
     )
 
 

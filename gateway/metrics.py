@@ -42,6 +42,7 @@ class Counters:
     http: Counter = field(default_factory=Counter)  # generation responses by HTTP status
     finished: Counter = field(default_factory=Counter)  # by finish_reason
     errors: Counter = field(default_factory=Counter)  # admitted requests ended by an Error, by code
+    error_statuses: Counter = field(default_factory=Counter)  # the same, by HTTP status (4xx: the client's)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0
@@ -58,6 +59,7 @@ class Counters:
         """WorkerLink.on_end observer: every admitted request ends here exactly once."""
         if isinstance(event, m.Error):
             self.errors[event.code] += 1
+            self.error_statuses[str(event.status)] += 1
             return
         mx = event.metrics
         self.finished[event.finish_reason] += 1
@@ -78,6 +80,7 @@ class Counters:
     def totals(self) -> dict:
         return {
             "responses": dict(self.http), "finished": dict(self.finished), "errors": dict(self.errors),
+            "error_statuses": dict(self.error_statuses),
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "cached_tokens": self.cached_tokens, "cycles": self.cycles, "drafted": self.drafted,
             "accepted": self.accepted, "rollbacks": self.rollbacks, "recovery_s": self.recovery_s,

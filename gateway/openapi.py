@@ -8,8 +8,11 @@ shapes gateway/openai_format.py and gateway/app.py build (the tests convert real
 them, so the description and the server cannot drift apart unnoticed).
 
 Rules no JSON Schema can state are named in the operation's description: a prompt over the
-model's context limit (counted in tokens) is refused with 400 `context_length_exceeded`, and
-`max_tokens` and `max_completion_tokens`, when both are given, must be equal.
+model's context limit (counted in tokens) is refused with 400 `context_length_exceeded`;
+`max_tokens` and `max_completion_tokens`, when both are given, must be equal; a JSON schema the
+grammar cannot enforce is refused with 400 `invalid_schema`, and tool fields that do not agree
+(a `tool_choice` naming no tool in `tools`, two tools of one name, a tool message without its
+`tool_call_id`) with 400 `invalid_tools`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import msgspec
 from msgspec import Struct
 
 from protocol import messages as m
-from protocol.schema import MAX_STOP_STRINGS, UNSUPPORTED_FIELDS
+from protocol.schema import MAX_STOP_STRINGS, NULL_ONLY, UNSUPPORTED_FIELDS
 
 REF = "#/components/schemas/{name}"
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ErrorDetail(Struct):
@@ -52,15 +55,36 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
+    """`content` is null when the reply is only tool calls (`finish_reason` "tool_calls")."""
+
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[m.ToolCall]] = None
+
+
+class ChatLogprobs(Struct):
+    """With `logprobs`: each emitted token's log-probability under the target (after penalties
+    and logit_bias, before temperature and truncation) and `top_logprobs` alternatives."""
+
+    content: list[m.TokenLogprob]
+    refusal: Optional[str] = None
+
+
+class CompletionLogprobs(Struct):
+    """The legacy shape: with `logprobs: N`, N alternatives per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletion(Struct):
@@ -77,6 +101,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: FinishReason
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class Completion(Struct):
@@ -89,15 +114,26 @@ class Completion(Struct):
     metrics: m.RequestMetrics
 
 
+class ChunkToolCall(Struct):
+    """A streamed tool call: sent whole, in one delta, once its block is complete."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: m.FunctionCall
+
+
 class ChunkDelta(Struct, omit_defaults=True):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ChunkToolCall]] = None
 
 
 class ChatChunkChoice(Struct):
     index: int
     delta: ChunkDelta
     finish_reason: Optional[FinishReason]
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(Struct, omit_defaults=True):
@@ -117,6 +153,7 @@ class CompletionChunkChoice(Struct):
     index: int
     text: str
     finish_reason: Optional[FinishReason]
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class CompletionChunk(Struct, omit_defaults=True):
@@ -177,7 +214,62 @@ def _sse_event(chunk: str) -> dict:
         "else": {"contentMediaType": "application/json", "contentSchema": payload}}}}
 
 
-def _request_schema(base: dict, chat: bool, cap: int, model: Optional[str], joint: bool) -> dict:
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+_PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                     _IDS, {"type": "array", "minItems": 1, "items": _IDS}],
+           "description": "a string, strings, token ids or lists of token ids (each prompt its choices; "
+                          "token ids within the model's vocabulary)"}
+_PART = {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "refusal"]}, "text": {"type": ["string", "null"]},
+                        "refusal": {"type": ["string", "null"]}, "image_url": {"type": "null"},
+                        "input_audio": {"type": "null"}, "file": {"type": "null"}},
+         "allOf": [{"if": {"properties": {"type": {"const": kind}}},
+                    "then": {"properties": {kind: {"type": "string"}}, "required": [kind]}} for kind in ("text", "refusal")],
+         "description": "a text part (or a refusal, read as text); image, audio and file parts are refused by name"}
+
+
+# what protocol/tool_rules.py checks of a message: tool_call_id on tool messages only, tool_calls on assistant ones
+_MESSAGE_RULES = [
+    {"if": {"properties": {"role": {"const": "tool"}}},
+     "then": {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]},
+     "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+     "then": {"properties": {"tool_calls": {"type": "null"}}}},
+]
+
+
+def _nullable(schema: dict, description: str = "") -> dict:
+    return {"anyOf": [schema, {"type": "null"}], "default": None, **({"description": description} if description else {})}
+
+
+def _sampling_fields(p: dict, chat: bool) -> list[dict]:
+    """Fields whose JSON Schema msgspec cannot narrow to what this endpoint takes; returns the
+    rules between fields."""
+    p["n"] = _nullable({"type": "integer", "minimum": 1, "maximum": m.MAX_N},
+                       "choices per prompt (prompts × n within what the server admits at once)")
+    if chat:
+        p["logprobs"] = _nullable({"type": "boolean"})
+        p["echo"] = _nullable({"const": False}, "completions only")
+    else:
+        p["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": 5}, "alternatives per token")
+        p["top_logprobs"] = {"type": "null", "default": None, "description": "chat only; completions take logprobs: N"}
+        p["echo"] = _nullable({"type": "boolean"})
+    for name, neutral in NULL_ONLY.items():
+        p[name] = _nullable({"const": neutral}, "accepted at its neutral value only") if neutral is not None else {
+            "type": "null", "default": None, "description": "not supported: null only"}
+    # stream_options only with stream: true; top_logprobs only with logprobs: true
+    rules = [{"if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+              "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}]
+    if chat:
+        rules.append({"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+                      "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+    else:
+        rules.append({"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                      "then": {"properties": {"logprobs": {"type": "null"}}}})
+    return rules
+
+
+def _request_schema(base: dict, chat: bool, cap: int, model: tuple[str, ...], joint: bool) -> dict:
     """GenerateRequest's schema narrowed to one endpoint and this server (check_request's rules)."""
     s = copy.deepcopy(base)
     p = s["properties"]
@@ -187,24 +279,26 @@ def _request_schema(base: dict, chat: bool, cap: int, model: Optional[str], join
         s["required"] = ["messages"]
     else:
         del p["messages"]
-        p["prompt"] = {"type": "string"}
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            p[name] = {"type": "null", "default": None, "description": "chat completions only"}
+        p["prompt"] = _PROMPT
         s["required"] = ["prompt"]
     for name in ("max_tokens", "max_completion_tokens"):
         p[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": cap}, {"type": "null"}], "default": None}
-    if model is not None:
-        p["model"] = {"anyOf": [{"enum": [model]}, {"type": "null"}], "default": None}
+    if model:
+        p["model"] = {"anyOf": [{"enum": list(model)}, {"type": "null"}], "default": None,
+                      "description": "the model's id or one of its --served-model-name aliases"}
     if not joint:
-        p["mode"] = {"enum": ["baseline"], "default": "baseline",
+        p["mode"] = {"enum": ["baseline", None], "default": "baseline",
                      "description": "\"joint\" needs a server started with --draft"}
-    p["n"] = {"enum": [1], "default": 1}
-    for name in ("presence_penalty", "frequency_penalty"):
-        p[name] = {"enum": [0], "default": 0, "description": "accepted at its neutral value only"}
+    if chat:
+        p["tools"] = {"anyOf": [{"type": "array", "minItems": 1, "items": {"$ref": REF.format(name="Tool")}},
+                                {"type": "null"}], "default": None}
+    rules = _sampling_fields(p, chat)
     stop = {"type": "string", "minLength": 1}
     p["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},
                            {"type": "null"}], "default": None}
-    # stream_options only with stream: true
-    s["if"] = {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]}
-    s["then"] = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
+    s["allOf"] = rules
     s["title"] = "ChatCompletionRequest" if chat else "CompletionRequest"
     s["description"] = (
         ("OpenAI chat completion request" if chat else "OpenAI (legacy) completion request")
@@ -214,12 +308,15 @@ def _request_schema(base: dict, chat: bool, cap: int, model: Optional[str], join
 
 
 def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_limit: Optional[int],
-             max_body_bytes: int, request_timeout_s: Optional[float]) -> dict:
+             max_body_bytes: int, request_timeout_s: Optional[float], aliases: tuple[str, ...] = ()) -> dict:
     """The OpenAPI 3.1 document of this server."""
+    names = (model, *aliases) if model else ()
     _, components = msgspec.json.schema_components([m.GenerateRequest, *RESPONSE_STRUCTS], ref_template=REF)
     base = components.pop("GenerateRequest")
-    components["ChatCompletionRequest"] = _request_schema(base, True, cap, model, joint)
-    components["CompletionRequest"] = _request_schema(base, False, cap, model, joint)
+    components["ContentPart"] = _PART
+    components["Message"]["allOf"] = _MESSAGE_RULES
+    components["ChatCompletionRequest"] = _request_schema(base, True, cap, names, joint)
+    components["CompletionRequest"] = _request_schema(base, False, cap, names, joint)
     limits = _limits(context_limit, max_body_bytes, request_timeout_s)
     security = [{"bearer": []}] if auth else []
     doc = {

@@ -39,6 +39,7 @@ class Surfaces:
     def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
         self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
         self.counters = Counters()
+        self.aliases: tuple[str, ...] = ()  # --served-model-name
         link.on_end.append(self.counters.observe)
 
     def register(self, app: web.Application) -> None:
@@ -69,6 +70,8 @@ class Surfaces:
             "ready": bool(w), "model": w.get("model"), "joint_available": w.get("joint_available", False),
             "draft_id": w.get("draft_id"), "context_limit": w.get("context_limit"),
             "max_tokens_cap": self.max_tokens_cap, "version": _version(),
+            "served_model_names": [w["model"], *self.aliases] if w else [],
+            "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
         })
 
     def _load(self) -> tuple[int, int]:

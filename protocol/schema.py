@@ -46,6 +46,10 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise RequestInvalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    try:  # free-form JSON (a tool's schema, an ignored part's field) may hold what the wire cannot carry
+        msgspec.msgpack.encode(req)
+    except OverflowError:
+        raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
     return check_request(req, endpoint)
 
 
@@ -111,21 +115,19 @@ def _check_endpoint(req: GenerateRequest, endpoint: Endpoint) -> None:
 
 
 def _check_message(msg, i: int) -> None:
-    """Content parts: text (and an assistant's refusal) only; content may be null only on an
-    assistant turn that carries a refusal or tool calls."""
+    """Content parts: text and refusal only (a refusal part reads as text). A null content reads
+    as empty text (an assistant turn of tool calls or a refusal has none)."""
+    if msg.content is None or isinstance(msg.content, str):
+        return
     where = f"messages[{i}].content"
-    if msg.content is None:
-        if msg.role != "assistant" or (msg.refusal is None and not msg.tool_calls):
-            raise RequestInvalid(f"`{where}` is required for a {msg.role} message", where)
-        return
-    if isinstance(msg.content, str):
-        return
     for j, part in enumerate(msg.content):
         if part.type not in SERVED_PARTS:
             raise RequestInvalid(f"`{where}[{j}]`: content parts of type `{part.type}` are not supported: this "
                                  "server's model reads text only", f"{where}[{j}].type", "unsupported_content")
-        if part.type == "refusal" and msg.role != "assistant":
-            raise RequestInvalid("a `refusal` part belongs to an assistant message", f"{where}[{j}].type")
+        stray = next((k for k in ("image_url", "input_audio", "file") if getattr(part, k) is not None), None)
+        if stray:
+            raise RequestInvalid(f"`{where}[{j}]`: `{stray}` belongs to a part of type `{stray}`, not `{part.type}`",
+                                 f"{where}[{j}].{stray}")
         value = part.text if part.type == "text" else part.refusal
         if value is None:
             raise RequestInvalid(f"`{where}[{j}]`: a `{part.type}` part needs its `{part.type}` string",
@@ -181,10 +183,12 @@ def split_prompts(prompt) -> list:
     return list(prompt)
 
 
-def resolve_max_tokens(req: GenerateRequest, cap: int) -> GenerateRequest:
-    """Applies the server's cap: a larger explicit value is refused, a missing one gets the cap."""
+def resolve_max_tokens(req: GenerateRequest, cap: int, default: Optional[int] = None) -> GenerateRequest:
+    """Applies the server's cap: a larger explicit value is refused; an omitted one gets the
+    server's default (launch-stack --max-tokens), else the cap. Either way generation also ends
+    where the model's context is full."""
     if req.max_tokens is None:
-        req.max_tokens = cap
+        req.max_tokens = min(default or cap, cap)
     elif req.max_tokens > cap:
         raise RequestInvalid(f"`max_tokens` ({req.max_tokens}) exceeds this server's cap of {cap}", "max_tokens")
     return req

@@ -5,9 +5,12 @@ as valid by /openapi.json must get 200, or a 400 for one of the rules that the d
 only state in words (JSON Schema cannot count tokens, compare two fields, or tell 5 from 5.0).
 """
 
+import re
+
 import schemathesis
 
-UNSTATABLE = {"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_tools"}  # tokens; schemas a grammar enforces; names across fields
+UNSTATABLE = {"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_tools",
+              "invalid_token_id", "too_many_choices", "integer_out_of_range"}  # tokens; schemas a grammar enforces; names across fields
 
 
 @schemathesis.check
@@ -27,6 +30,6 @@ def valid_requests_are_served(ctx, response, case):
         return None
     text = response.text
     if code == "invalid_request" and ("max_completion_tokens" in text  # both given, and different
-                                      or "Expected `int" in text and "got `float`" in text):  # 5.0 for 5
+                                      or re.search(r"Expected `[^`]*\bint\b", text) and "got `float`" in text):  # 5.0 for 5
         return None
     raise AssertionError(f"a request valid by /openapi.json got {response.status_code}: {response.text[:500]}")

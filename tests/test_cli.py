@@ -146,10 +146,34 @@ def test_chat_keeps_the_conversation_and_handles_commands(cli_stack):
     assert prompts[1] > prompts[0] and prompts[2] == prompts[0], prompts
 
 
-def test_chat_error_keeps_the_repl_alive(cli_stack):
-    r = verity("chat", "--url", cli_stack.url, "--temperature", "5", "--max-tokens", "2", input="Hello\n")
-    assert r.returncode == 0  # EOF ends the REPL normally
-    assert "temperature" in r.stderr
+def test_chat_error_keeps_the_repl_alive_and_exits_1(cli_stack):
+    r = verity("chat", "--url", cli_stack.url, "--temperature", "5", "--max-tokens", "2", input="Hello\nagain\n")
+    assert r.returncode == 1  # EOF ends the REPL; a failed request makes it exit 1
+    assert r.stderr.count("error 400") == 2, r.stderr
+
+
+def test_chat_mode_joint_asks_the_server(cli_stack):
+    r = verity("chat", "--url", cli_stack.url, "--max-tokens", "2", "--temperature", "0", input="/mode joint\nHello\n")
+    assert r.returncode == 0, r.stderr
+    assert "no draft model" in r.stderr and r.stderr.count("tok/s") == 1  # asked in baseline mode
+
+
+def test_generate_reads_the_prompt_from_stdin(cli_stack):
+    args = ("--url", cli_stack.url, "--max-tokens", "3", "--temperature", "0", "--json")
+    outs = [json.loads(verity("generate", *a, *args, input="Hello").stdout) for a in (["-"], [])]
+    direct = json.loads(verity("generate", "Hello", *args).stdout)
+    assert [o["usage"]["prompt_tokens"] for o in outs] == [direct["usage"]["prompt_tokens"]] * 2
+    assert [o["choices"][0]["message"]["content"] for o in outs] == [direct["choices"][0]["message"]["content"]] * 2
+
+
+def test_help_shows_defaults():
+    for cmd in (["generate", "--help"], ["chat", "--help"]):
+        assert "(default: " in verity(*cmd).stdout
+    r = subprocess.run([sys.executable, "-m", "cli.launch", "--help"], capture_output=True, text=True, timeout=60)
+    text = " ".join(r.stdout.split())
+    assert "--max-tokens-cap MAX_TOKENS_CAP the largest max_tokens a request may ask for (default: 2048)" in text
+    assert "--queue-size QUEUE_SIZE requests that may wait; past that, 429 (default: 16)" in text
+    assert "the embedded model: 0.2" in text and "--served-model-name" in text and "(default: None)" not in text
 
 
 # ---- verity bench overhead ----

@@ -147,3 +147,38 @@ def test_render_without_a_stack():
     console.print(render(mon))
     text = console.export_text()
     assert "DISCONNECTED" in text and "disconnected: unreachable (connection refused)" in text
+
+
+def _frame(width: int) -> str:
+    """A frame of a stack with large figures, rendered at `width` columns."""
+    from rich.console import Console
+
+    stats = {"time": 1000.0, "launcher": {"pid": 11},
+             "gateway": {"pid": 12, "started_at": 10.0, "draining": False, "worker_restarts": 0, "capacity": 32,
+                         "running": 16, "waiting": 16},
+             "worker": {"pid": 13, "model": "SmolLM2-135M-Instruct", "draft_id": None},
+             "worker_stats": {"time": 999.5, "queue_depth": 16, "active": 16, "tokens_per_s": 12345.6,
+                              "drafted_total": 987654, "accepted_total": 876543, "cycles_total": 123456,
+                              "rollbacks_total": 54321, "recovery_s_total": 1234.567, "cache_bytes": 1 << 30,
+                              "cache_budget_bytes": 1 << 30, "cache_hits": 9876, "cache_lookups": 12345},
+             "totals": {"finished": {"stop": 123456, "length": 234567, "cancelled": 3456},
+                        "responses": {"200": 361479, "400": 4321, "429": 765, "503": 21},
+                        "errors": {"context_length_exceeded": 17, "generation_failed": 3},
+                        "error_statuses": {"400": 17, "500": 3},
+                        "prompt_tokens": 123456789, "generation_tokens": 98765432, "cached_tokens": 7654321},
+             "recent": {"ttft_p50_s": 0.123, "ttft_p95_s": 12.345, "acceptance": 0.876, "budget_per_cycle": 3.21}}
+    mon = Monitor("http://127.0.0.1:8000")
+    mon.update(stats)
+    console = Console(width=width, record=True)
+    console.print(render(mon))
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_every_value_shows_at_80_columns_and_errors_are_split_by_class(width):
+    """Client errors (4xx) apart from server errors (5xx), and no value cut or dropped at 80 columns."""
+    text = _frame(width)
+    for value in ("123456789 · 98765432", "123456 · 234567 · 3456", "5086 · 21", "17 · 3", "12345.6",
+                  "876543/987654 = 89%", "54321", "1234.567 s · 22.73 ms", "7654321", "123 ms · 12345 ms"):
+        assert value in text, (value, text)
+    assert "…" not in text

@@ -91,7 +91,7 @@ def test_valid_request_is_normalized():
     ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "unknown field"),
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "Invalid enum value 'robot'"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content", "is required for a user message"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type", "`video`"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "needs its `text`"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type", "`image_url` are not supported"),

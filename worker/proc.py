@@ -21,6 +21,7 @@ import zmq
 
 from protocol import codec, messages as m, runtime
 from worker import faults
+from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
@@ -54,6 +55,7 @@ class WorkerProc:
             process="worker", pid=self.pid, model_id=self.lm.model_id,
             cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
+            defaults=self.engine.config.defaults,
         )
 
     def run(self) -> int:
@@ -160,6 +162,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--queue-size", type=int, default=64)
     p.add_argument("--draft", default=None)
     p.add_argument("--draft-budget", type=int, default=None)
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float), ("max-tokens", int)):
+        p.add_argument(f"--{name}", type=kind, default=None, help="the default for requests that omit it")
     p.add_argument("--decision-log", default=None)
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
@@ -183,7 +187,8 @@ def run_worker(argv: list[str] | None = None) -> int:
         install_recording(draft.model)
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
-                          decision_log=args.decision_log, kv_budget=args.kv_budget)
+                          decision_log=args.decision_log, kv_budget=args.kv_budget,
+                          defaults=sampling_defaults(args))
     engine = Engine(lm, config, draft)
     engine.warmup()
     if args.prefix_cache:
@@ -192,6 +197,11 @@ def run_worker(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
     return proc.run()
+
+
+def sampling_defaults(args: argparse.Namespace) -> m.SamplingDefaults:
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    return resolve_defaults(args.model, flags, args.max_tokens)
 
 
 def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],
