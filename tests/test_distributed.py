@@ -24,8 +24,9 @@ from worker.engine import Engine, EngineConfig, cache_identity
 from worker.loader import load_model
 from worker.text import render_prompt
 
+FULL = os.environ.get("VERITY_FULL") == "1"
 NEAR_TIE = 1e-3  # a divergence is counted only where the single process's top two logits are this close
-N_TOKENS = 16
+N_TOKENS = 48 if FULL else 16
 PROMPTS = ["hello world", "the quick brown fox", "once upon a time", "tell me a story about the sea " * 30,
            "one two three four", "why is the sky blue"]  # the long one's message takes two collectives
 _RANK_PID = re.compile(r"started worker rank (\d+) \(pid (\d+)")
@@ -84,19 +85,18 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
-def arch(request) -> str:
-    return request.param
+SPLITS = [("llama", "tensor"), ("qwen3_5", "tensor")] + ([("qwen3_5", "pipeline")] if FULL else [])
 
 
-async def test_two_ranks_serve_what_one_process_serves_baseline_and_joint(arch, tmp_path_factory):
+@pytest.mark.parametrize("arch,shard", SPLITS)
+async def test_two_ranks_serve_what_one_process_serves_baseline_and_joint(arch, shard, tmp_path_factory):
     target = tiny_model_dir(tmp_path_factory, arch, seed=0)
     draft = build_tiny_model(tmp_path_factory.mktemp(f"draft-{arch}"), arch, seed=1, perturb_from=target, noise=0.3)
     # llama: the adaptive scheduler's plans (timed on rank 0) go to rank 1; qwen3_5: a fixed k
     budget = ("--draft-budget", "2") if arch == "qwen3_5" else ()
     bodies = [chat(p, mode="joint" if i % 2 else "baseline") for i, p in enumerate(PROMPTS)]
     want = reference(target, bodies)
-    with Stack(str(target), "--ranks", "2", "--draft", str(draft), *budget, "--max-active", "4",
+    with Stack(str(target), "--ranks", "2", "--shard", shard, "--draft", str(draft), *budget, "--max-active", "4",
                "--cache-bytes", "0") as s:
         got = await asyncio.gather(*(post(s.url, b) for b in bodies))  # a batch, and two waiting
         assert s.health()[1]["worker_restarts"] == 0
@@ -179,6 +179,19 @@ async def test_a_killed_rank_takes_the_group_down_and_it_restarts_whole(group):
     after = rank_pids(group)
     assert group.health()[1]["worker_restarts"] == 1 and not set(after.values()) & set(before.values())
     assert not alive(before[0]), "rank 0 of the broken group is still running"
+
+
+@pytest.mark.skipif(not FULL, reason="a group restart more (VERITY_FULL=1)")
+async def test_a_stalled_rank_takes_the_group_down_after_the_bound(tmp_path_factory):
+    target = tiny_model_dir(tmp_path_factory, "llama", seed=0)
+    with Stack(str(target), "--ranks", "2", "--rank-timeout-s", "5", "--cache-bytes", "0") as s:
+        before = rank_pids(s)
+        os.kill(before[1], signal.SIGSTOP)  # alive, but it never answers a collective again
+        await until(lambda: "made no progress" in s.log(), 30, "a rank's watchdog")
+        await until(lambda: s.health()[0] == 200 and rank_pids(s)[0] != before[0], 120, "the restarted group")
+        status, body = await post(s.url, chat("hello world"))
+        assert status == 200 and body["usage"]["completion_tokens"] == N_TOKENS
+        assert not alive(before[1])
 
 
 def test_no_rank_outlives_a_killed_launch_stack(group):
