@@ -46,13 +46,13 @@ def model_shape(path: Path) -> tuple[int, int]:
 def probe(ranks: int, hidden: int, batch: int, chain: int) -> dict:
     """Times all_sums on a ring of `ranks` local processes: one forward's (a [batch, hidden]
     float32 array) and the control message's. Seconds per all_sum, as rank 0 measures them."""
-    from cli.ranks import GroupPlan, Host, _files_env, rank_env
+    from cli.ranks import GroupPlan, Host, files_env, rank_env
 
     with tempfile.TemporaryDirectory() as tmp:
         plan = GroupPlan([Host("127.0.0.1", ["127.0.0.1"]) for _ in range(ranks)], "ring")
         argv = [sys.executable, "-m", "bench.distributed_probe", str(hidden), str(batch), str(PROBE_REPS), str(CONTROL_BYTES),
                 str(chain)]
-        procs = [subprocess.Popen(argv, env={**os.environ, **_files_env(env, tmp, i)}, stdout=subprocess.PIPE, text=True)
+        procs = [subprocess.Popen(argv, env={**os.environ, **files_env(env, tmp, i)}, stdout=subprocess.PIPE, text=True)
                  for i, env in enumerate(rank_env(plan, tmp))]
         out = [p.communicate(timeout=300)[0] for p in procs]
     forward_s, control_s = (float(x) for x in out[0].split())

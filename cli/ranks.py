@@ -178,7 +178,7 @@ def _start_local(cores: Optional[set[int]]):
     return start
 
 
-def _files_env(env: dict[str, str], runtime_dir: str, rank: int) -> dict[str, str]:
+def files_env(env: dict[str, str], runtime_dir: str, rank: int) -> dict[str, str]:
     """MLX reads the ring hostfile and the RDMA device list from files: write them (locally)."""
     out = dict(env)
     for key, var in (("MLX_HOSTFILE_JSON", "MLX_HOSTFILE"), ("MLX_IBV_DEVICES_JSON", "MLX_IBV_DEVICES")):
@@ -190,7 +190,7 @@ def _files_env(env: dict[str, str], runtime_dir: str, rank: int) -> dict[str, st
     return out
 
 
-def _remote_command(env: dict[str, str], argv: list[str]) -> str:
+def remote_command(env: dict[str, str], argv: list[str]) -> str:
     """The shell line ssh runs: the files MLX reads written on that host, then the rank."""
     script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
     for key, var in (("MLX_HOSTFILE_JSON", "MLX_HOSTFILE"), ("MLX_IBV_DEVICES_JSON", "MLX_IBV_DEVICES")):
@@ -212,10 +212,10 @@ class RankGroup:
         cores = dict(zip(local, core_shares(len(local)) if plan.backend == "ring" else [None] * len(local)))
         for i, (host, renv) in enumerate(zip(plan.hosts, rank_env(plan, runtime_dir))):
             if host.local:
-                p = subprocess.Popen(argv, env={**env, **_files_env(renv, runtime_dir, i)}, pass_fds=pass_fds,
+                p = subprocess.Popen(argv, env={**env, **files_env(renv, runtime_dir, i)}, pass_fds=pass_fds,
                                      preexec_fn=_start_local(cores[i]))
             else:
-                p = subprocess.Popen(["ssh", "-tt", "-o", "LogLevel=QUIET", host.ssh, _remote_command(renv, argv)],
+                p = subprocess.Popen(["ssh", "-tt", "-o", "LogLevel=QUIET", host.ssh, remote_command(renv, argv)],
                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             self.procs.append(p)
             log.info("started worker rank %d (pid %d on %s)", i, p.pid, host.ssh)

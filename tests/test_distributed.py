@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass
 
@@ -215,6 +216,19 @@ def test_a_model_that_cannot_be_split_fails_the_start_naming_why(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "num_attention_heads (3) is not divisible by 2" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_remote_rank_gets_what_mlx_reads_from_its_ssh_command(tmp_path):
+    """The line ssh runs on a remote host, run here by bash: the ring hostfile written on that
+    host, the rank's variables set, then the rank's own command."""
+    from cli.ranks import GroupPlan, Host, remote_command, rank_env
+
+    plan = GroupPlan([Host("127.0.0.1", ["127.0.0.1"]), Host("mac2", ["10.0.0.2"])], "ring")
+    env = rank_env(plan, str(tmp_path))[1]
+    show = [sys.executable, "-c", "import os; print(os.environ['MLX_RANK']); print(open(os.environ['MLX_HOSTFILE']).read())"]
+    out = subprocess.run(["bash", "-c", remote_command(env, show)], capture_output=True, text=True, timeout=60).stdout
+    rank, hostfile = out.split("\n", 1)
+    assert rank == "1" and json.loads(hostfile) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
 
 
 def test_an_unreachable_host_fails_the_start_naming_it(tmp_path, tiny_llama):
