@@ -14,7 +14,7 @@ from worker.round import Row, ScheduledRound
 from worker.sampling import RowSampling
 from worker.state.checkpoint import RecordingArraysCache
 
-PARK_AFTER = 2  # plans running that draft nothing for a row before it parks (a probe does not move it)
+PARK_AFTER = 2  # plans running that draft nothing for a row that drafted before it parks (a probe does not move it)
 SEED_APART = 0x5DEECE66D  # a seeded row's batch sampler draws from a key stream apart from its joint cycles'
 
 
@@ -57,8 +57,9 @@ def recording(cache: list) -> list:
 
 @dataclass
 class Parking:
-    """Which joint rows decode in the baseline batch: one the plan drafts nothing for PARK_AFTER
-    plans running parks, while other rows run; one the plan drafts for leaves."""
+    """Which joint rows decode in the baseline batch: while other rows run, one the plan drafts
+    nothing for parks (at once if it never drafted, else after PARK_AFTER plans running); one
+    the plan drafts for leaves."""
 
     batch: BaselineBatch
     plain_plans: dict[str, int] = field(default_factory=dict)  # by request: plans running that drafted nothing
@@ -67,7 +68,8 @@ class Parking:
         """Parks and unparks by the round's plan, before it runs; True when a row moved (the round
         is then no sample of its cell). A row that fails to move ends alone and leaves the round."""
         moved, failed = False, set()
-        for row in [r for r in sr.rows if r.request_id in sr.joint_ids]:
+        drafted = {s.request_id: s.has_drafted for s in sr.states}
+        for row in [r for r in sr.rows if r.request_id in drafted]:
             k, d = sr.plan.k(row.request_id), row.decoder
             plain = 0 if k else self.plain_plans.get(row.request_id, 0) + 1
             self.plain_plans[row.request_id] = plain
@@ -75,7 +77,7 @@ class Parking:
                 if d.parked and k:
                     d.unpark()
                     moved = True
-                elif not d.parked and plain >= PARK_AFTER and len(sr.rows) > 1:
+                elif not d.parked and plain >= (PARK_AFTER if drafted[row.request_id] else 1) and len(sr.rows) > 1:
                     d.park(self.batch)
                     moved = True
             except Exception as e:  # one request's failure must not take the others down
