@@ -114,6 +114,24 @@ def test_sdk_streamed_tool_call_deltas(client, model):
     Weather.model_validate_json(calls[0]["arguments"])
 
 
+def test_tool_responses_fit_the_openapi_shapes(stack, model):
+    import httpx
+    import msgspec
+
+    from gateway import openapi as shapes
+
+    body = {"model": model, "messages": ask("weather?"), "tools": [openai.pydantic_function_tool(Weather)],
+            "tool_choice": "required", "temperature": 0, "max_tokens": MAX_TOKENS}
+    url = stack.url + "/v1/chat/completions"
+    whole = msgspec.convert(httpx.post(url, json=body, timeout=60).json(), shapes.ChatCompletion)
+    assert whole.choices[0].message.content is None and whole.choices[0].message.tool_calls
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        chunks = [msgspec.convert(json.loads(line[6:]), shapes.ChatCompletionChunk)
+                  for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) == len(whole.choices[0].message.tool_calls)
+
+
 # ---- langchain-openai ----
 
 
