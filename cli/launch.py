@@ -1,7 +1,9 @@
 """launch-stack: starts the cache service, the worker and the gateway, waits for READY, watches,
 restarts, stops.
 
-Exit codes: 0 after a clean stop, 1 when the start failed, 2 when the worker kept dying.
+Exit codes: 0 after a clean stop, 1 when the start failed, 2 when the worker (or the gateway)
+kept dying: more than --max-restarts deaths of that one process within RESTART_WINDOW_S, each
+process counted on its own. A stop (SIGTERM, Ctrl-C) restarts nothing.
 The cache service is not essential: when it dies the worker serves without prefix reuse, and it
 is restarted with backoff for as long as the stack runs.
 """
@@ -22,9 +24,11 @@ from typing import Optional
 
 import zmq
 
+from cache_service.dirlock import DirLock, DirLocked
 from cli.blas import blas_env
 from cli.config import ArgumentParser, parse_with_config
 from cli.ranks import GroupError, GroupPlan, RankGroup, add_group_flags, plan_from_args
+from cli.launch_checks import CheckFailed, Heartbeat, raise_open_file_limit, resolve_api_key
 from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
 
@@ -72,7 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="bytes the admitted requests' caches may take at most, e.g. 8G (default: the GPU's memory, "
                         "or half the machine's on the CPU, less the weights)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; past that, 429")
-    p.add_argument("--api-key", default=None, help="require this bearer token (or set VERITY_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token (visible to local users: prefer VERITY_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", default=None, help="read the bearer token from this file (mode 0600)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the largest max_tokens a request may ask for")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max_tokens of a request that omits it (default: --max-tokens-cap; it also ends at the context's end)")
@@ -93,7 +99,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="a web page origin (scheme://host:port) allowed to call the API from a browser (repeatable; '*': any)")
     p.add_argument("--log-prompts", action="store_true", help="write prompt text to the log (off: only ids and counts)")
-    p.add_argument("--max-restarts", type=int, default=5, help=f"worker deaths within {RESTART_WINDOW_S:.0f}s before giving up")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help=f"deaths of the worker (or of the gateway, counted apart) within {RESTART_WINDOW_S:.0f}s before giving up")
+    _liveness_flags(p)
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
     p.add_argument("--cache-bytes", type=byte_size, default=byte_size(DEFAULT_CACHE_BYTES),
                    help=f"byte budget of the prefix-reuse snapshots, e.g. 512M or 2G (default {DEFAULT_CACHE_BYTES}; 0: no reuse)")
@@ -108,6 +116,18 @@ def sampling_flags(a: argparse.Namespace) -> list[str]:
     given = (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k), ("--min-p", a.min_p),
              ("--max-tokens", a.max_tokens))
     return [f"{flag}={value}" for flag, value in given if value is not None]
+
+
+def _liveness_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                   help="a worker that sends no stats this long makes /health 503")
+    p.add_argument("--hang-timeout-s", type=float, default=60.0,
+                   help="a worker that sends no stats this long is killed and restarted (0: never)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections at most (also: the open-file limit less 128)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a connection that sends no whole request headers this long is closed")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body must arrive within this (408)")
 
 
 def byte_size(text: str) -> int:
@@ -138,12 +158,14 @@ class Supervisor:
         self.decoder = codec.supervisor_decoder()
         self.death_r, self.death_w = os.pipe()  # children see EOF when this process dies
         self.stopping = False
+        self.heartbeat = Heartbeat(self.ctx, self.runtime_dir)
+        self.dir_lock: Optional[DirLock] = None
         self.children = {c.name: c for c in self._children()}
 
     def _children(self) -> list[Child]:
         a, py = self.args, sys.executable
         base = {**os.environ, runtime.PARENT_FD_ENV: str(self.death_r)}
-        key = a.api_key or os.environ.get("VERITY_API_KEY")
+        key = a.api_key  # resolved by main(); children get it by environment only
         gw_env = {**base, "VERITY_API_KEY": key} if key else {k: v for k, v in base.items() if k != "VERITY_API_KEY"}
         worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
                                   "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
@@ -161,6 +183,10 @@ class Supervisor:
                                     "--max-body-bytes", str(a.max_body_bytes), "--keepalive-s", str(a.keepalive_s),
                                     "--drain-timeout-s", str(a.drain_timeout_s),
                                     "--request-timeout-s", str(a.request_timeout_s),
+                                    "--heartbeat-timeout-s", str(a.heartbeat_timeout_s),
+                                    "--max-connections", str(a.max_connections),
+                                    "--header-timeout-s", str(a.header_timeout_s),
+                                    "--body-timeout-s", str(a.body_timeout_s),
                                     *[f"--allow-host={h}" for h in a.allow_host],
                                     *[f"--served-model-name={n}" for n in a.served_model_name],
                                     *[f"--allow-origin={o}" for o in a.allow_origin],
@@ -188,8 +214,12 @@ class Supervisor:
         if self.args.cache_bytes and self.args.cache_dir:
             try:
                 os.makedirs(self.args.cache_dir, mode=0o700, exist_ok=True)
+                self.dir_lock = DirLock(self.args.cache_dir)
+                self.dir_lock.acquire()
             except OSError as e:
                 raise StartFailed(f"cannot use --cache-dir {self.args.cache_dir}: {e.strerror}") from None
+            except DirLocked as e:
+                raise StartFailed(str(e)) from None
         for c in self.children.values():
             self.spawn(c)
         deadline = time.monotonic() + self.args.start_timeout_s
@@ -225,6 +255,8 @@ class Supervisor:
             raise StartFailed(f"{c.name} speaks protocol {msg.protocol_version}, launch-stack {m.PROTOCOL_VERSION}")
         c.ready = msg
         log.info("%s ready (pid %d)", c.name, msg.pid)
+        if c.name == "worker":
+            self.heartbeat.expect(msg.pid)
         if c.name in ("worker", "gateway"):  # the gateway resubmits what waits on each worker READY
             self._tell_gateway_about_worker()
         return True
@@ -239,6 +271,9 @@ class Supervisor:
     def watch(self) -> int:
         while not self.stopping:
             self._receive(timeout_ms=100)
+            if self.stopping:  # children exit on the same signal: none of that is a death
+                break
+            self._check_heartbeat()
             now = time.monotonic()
             for c in self.children.values():
                 if c.restart_at is not None:
@@ -250,6 +285,18 @@ class Supervisor:
                     return EXIT_WORKER_FAILING
         return 0
 
+    def _check_heartbeat(self) -> None:
+        """A ready worker silent past --hang-timeout-s is killed; the next poll restarts it."""
+        worker, limit = self.children["worker"], self.args.hang_timeout_s
+        if not (limit and worker.ready and worker.proc.poll() is None):
+            return
+        silent = self.heartbeat.silent_s()
+        if silent > limit:
+            log.error("worker (pid %d) sent no heartbeat for %.1fs (--hang-timeout-s %g): killing it",
+                      worker.proc.pid, silent, limit)
+            worker.proc.kill()
+            worker.proc.wait()
+
     def _exited(self, c: Child, code: int, now: float) -> bool:
         """Schedules the restart of a child that exited, with backoff; False: an essential one
         keeps dying (a non-essential one is restarted for as long as the stack runs)."""
@@ -258,7 +305,8 @@ class Supervisor:
             self.to_gateway.send(codec.encode(m.WorkerDown(c.proc.pid, code)))
         c.failures = [t for t in c.failures if now - t < RESTART_WINDOW_S] + [now]
         if c.essential and len(c.failures) > self.args.max_restarts:
-            log.error("%s died %d times within %.0fs; giving up", c.name, len(c.failures), RESTART_WINDOW_S)
+            log.error("%s died %d times within %.0fs (--max-restarts %d); giving up", c.name, len(c.failures),
+                      RESTART_WINDOW_S, self.args.max_restarts)
             return False
         delay = BACKOFF_S[min(len(c.failures) - 1, len(BACKOFF_S) - 1)]
         log.info("restarting %s in %.1fs%s", c.name, delay, "" if c.essential else " (serving without it meanwhile)")
@@ -274,6 +322,8 @@ class Supervisor:
         _terminate(worker.proc, STOP_TIMEOUT_S)
         _terminate(cache.proc if cache else None, STOP_TIMEOUT_S)
         self.ctx.destroy(linger=0)
+        if self.dir_lock is not None:
+            self.dir_lock.release()
         os.close(self.death_w)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
@@ -299,11 +349,23 @@ def _banner(url: str) -> str:
     )
 
 
+def _on_command_line(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch-stack %(levelname)s %(message)s")
     os.umask(0o077)  # sockets, spilled snapshots and logs of the stack: readable by this user only
-    warning = exposure_warning(args.host, args.api_key or os.environ.get("VERITY_API_KEY"))
+    try:
+        args.api_key = resolve_api_key(args.api_key, args.api_key_file, _on_command_line(argv, "--api-key"))
+        soft, _ = raise_open_file_limit()
+    except CheckFailed as e:
+        log.error("start failed: %s", e)
+        return EXIT_START_FAILED
+    log.info("open-file limit %d", soft)
+    warning = exposure_warning(args.host, args.api_key)
     if warning:
         log.warning("%s", warning)
     try:

@@ -49,6 +49,7 @@ class GatewayConfig:
     allow_origins: tuple[str, ...] = ()  # browser origins other than the server's own ("*": any)
     log_prompts: bool = False  # prompt text goes to the log only when asked for
     served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long makes /health 503
 
 
 class Gateway:
@@ -209,7 +210,8 @@ def _time_limit_message(limit: float) -> str:
 
 def _time_limit_reached(gw: Gateway, t: Tracked) -> None:
     log.warning("[%s] reached the time limit of %gs: cancelling", t.id, gw.config.request_timeout_s)
-    gw.link.cancel(t.id, reason=_time_limit_message(gw.config.request_timeout_s))
+    message = _time_limit_message(gw.config.request_timeout_s)  # its slot is freed now, not when the worker confirms
+    gw.link.cancel(t.id, reason=message, release=m.Error(t.id, "request_timeout", message, 504))
 
 
 async def _next_event(t: Tracked, within_s: float):
@@ -371,13 +373,18 @@ async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     link = gw.link
     stats = link.worker_stats
+    silent = link.silent_s()
+    hung = silent > gw.config.heartbeat_timeout_s
     body = {
-        "status": "ok" if link.ready and not gw.draining else ("draining" if gw.draining else "unavailable"),
+        "status": "ok" if link.ready and not gw.draining and not hung else (
+            "draining" if gw.draining else "worker_unresponsive" if hung else "unavailable"),
         "model": link.worker.model_id if link.worker else None,
         "worker_pid": link.worker.pid if link.worker else None,
         "worker_restarts": link.worker_restarts,
         "admitted": len(link.requests),
         "waiting": link.waiting_count(),
+        "worker_silent_s": round(silent, 1),
+        **({"detail": f"the worker (pid {link.worker.pid}) has sent no heartbeat for {silent:.1f} s"} if hung else {}),
         "worker": None if stats is None else {"active": stats.active, "queue_depth": stats.queue_depth,
                                               "tokens_per_s": stats.tokens_per_s, "time": stats.time,
                                               "requests_total": stats.requests_total,

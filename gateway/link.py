@@ -1,7 +1,9 @@
 """WorkerLink: the gateway's side of the worker sockets, admission and the admitted requests.
 
 Every admitted request is held here until it ends. Requests the worker had not started when
-it died are resubmitted to the next worker; started ones end with an error event.
+it died are resubmitted to the next worker; started ones end with an error event. A request
+ended by the time limit gives its admission slot back at once (the worker is told to stop it).
+The worker's stats, every 0.5 s, are its heartbeat: `silent_s` is how long it has been quiet.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class WorkerLink:
         self.requests: dict[str, Tracked] = {}
         self.worker: Optional[m.Ready] = None
         self.worker_stats: Optional[m.StatsSnapshot] = None
+        self.heard_at = time.monotonic()  # the ready worker's last heartbeat (stats or READY)
         self.worker_restarts = 0
         self.on_end: list[Callable[[Tracked, object], None]] = []  # observers of each request's last event
         self._seq = itertools.count()
@@ -102,6 +105,8 @@ class WorkerLink:
         while True:
             try:
                 self.worker_stats = dec.decode(await sock.recv())
+                if self.worker is not None and self.worker_stats.pid == self.worker.pid:
+                    self.heard_at = time.monotonic()
             except codec.DecodeError as e:
                 log.error("dropped undecodable stats: %s", e)
 
@@ -110,6 +115,10 @@ class WorkerLink:
     @property
     def ready(self) -> bool:
         return self.worker is not None
+
+    def silent_s(self) -> float:
+        """Seconds since the ready worker's last heartbeat (0 without a worker)."""
+        return time.monotonic() - self.heard_at if self.worker is not None else 0.0
 
     def admit(self, request_id: str, req: m.GenerateRequest) -> Tracked:
         if len(self.requests) >= self.capacity:
@@ -120,16 +129,20 @@ class WorkerLink:
             self._send(t)
         return t
 
-    def cancel(self, request_id: str, reason: str = "the request was cancelled") -> None:
-        """Asks the worker to stop; the request stays tracked until the worker confirms."""
+    def cancel(self, request_id: str, reason: str = "the request was cancelled",
+               release: Optional[m.Error] = None) -> None:
+        """Asks the worker to stop; the request stays tracked until the worker confirms, or with
+        `release` ends now with that error (its slot is free even while the worker is stuck)."""
         t = self.requests.get(request_id)
         if t is None or t.cancel_requested:
             return
         t.cancel_requested = True
         if t.sent_to is not None and self.worker and t.sent_to == self.worker.pid:
             self.control.send(codec.encode(m.CancelRequest(request_id)))
+            if release is not None:
+                self._end(t, release)
         else:  # never reached a live worker: nothing to stop there
-            self._end(t, m.Error(request_id, "cancelled", reason, 503))
+            self._end(t, release or m.Error(request_id, "cancelled", reason, 503))
 
     def end_all(self, code: str, message: str, status: int = 503) -> None:
         """Ends every admitted request here with an error (the worker can no longer end them)."""
@@ -170,6 +183,7 @@ class WorkerLink:
             log.error("worker speaks protocol %d, gateway %d", ready.protocol_version, m.PROTOCOL_VERSION)
             return
         self.worker = ready
+        self.heard_at = time.monotonic()
         log.info("worker %d ready (%s); resubmitting %d waiting", ready.pid, ready.model_id, self.waiting_count())
         # a worker that outlived a previous gateway still runs that gateway's requests: drop them
         self.control.send(codec.encode(m.DropOrphans(self.pid)))

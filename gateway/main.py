@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -14,13 +15,15 @@ import time
 import zmq
 
 from gateway.app import Gateway, GatewayConfig, make_app
+from gateway.connections import (AcceptErrors, ConnectionBook, ConnectionLimits, GuardedSite, descriptor_cap,
+                                 middlewares)
 from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
 
 log = logging.getLogger("verity.gateway")
 
 
-def parse_args(argv: list[str]) -> GatewayConfig:
+def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
     p = argparse.ArgumentParser(prog="verity-gateway")
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -36,27 +39,41 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     p.add_argument("--allow-origin", action="append", default=[])
     p.add_argument("--served-model-name", action="append", default=[])
     p.add_argument("--log-prompts", action="store_true")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-connections", type=int, default=1024)
+    p.add_argument("--header-timeout-s", type=float, default=10.0)
+    p.add_argument("--body-timeout-s", type=float, default=30.0)
     a = p.parse_args(argv)
+    limits = ConnectionLimits(a.max_connections, a.header_timeout_s, a.body_timeout_s)
     return GatewayConfig(
         runtime_dir=a.runtime_dir, host=a.host, port=a.port, max_active=a.max_active,
         queue_size=a.queue_size, api_key=os.environ.get("VERITY_API_KEY") or None,
         max_tokens_cap=a.max_tokens_cap, max_body_bytes=a.max_body_bytes,
         keepalive_s=a.keepalive_s, drain_timeout_s=a.drain_timeout_s,
         request_timeout_s=a.request_timeout_s or None, allow_hosts=tuple(a.allow_host),
-        allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts, served_names=tuple(a.served_model_name),
-    )
+        allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts,
+        heartbeat_timeout_s=a.heartbeat_timeout_s, served_names=tuple(a.served_model_name),
+    ), limits
 
 
-async def serve(config: GatewayConfig) -> int:
+async def serve(config: GatewayConfig, limits: ConnectionLimits = ConnectionLimits()) -> int:
     from aiohttp import web
 
     gw = Gateway(config)
     gw.link.start()
+    asyncio.get_running_loop().set_exception_handler(AcceptErrors())
+    book = ConnectionBook(limits)
+    app = make_app(gw)
+    in_request, bounded_body = middlewares(book)
+    app.middlewares.insert(0, in_request)
+    app.middlewares.append(bounded_body)  # after the key check: no body is read before it
     # handlers end by themselves after the drain (every admitted request is ended by then): the
-    # shutdown timeout only bounds connections that linger
-    runner = web.AppRunner(make_app(gw), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # shutdown timeout only bounds connections that linger. aiohttp's keep-alive timer runs from
+    # a connection's start: it is the header timeout
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = GuardedSite(runner, config.host, config.port, book)
     await site.start()
     port = runner.addresses[0][1]
     gw.guard.port = port  # the Host check wants the real port (--port 0 picks one)
@@ -126,7 +143,21 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def raise_open_file_limit() -> int:
+    """The soft open-file limit raised to the hard one (each connection holds a descriptor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # macOS refuses RLIM_INFINITY: keep the soft limit
+            pass
+    return soft
+
+
 def run_gateway(argv: list[str] | None = None) -> int:
-    config = parse_args(sys.argv[1:] if argv is None else argv)
+    config, limits = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
-    return asyncio.run(serve(config))
+    soft = raise_open_file_limit()
+    log.info("open-file limit %d: at most %d connections at once", soft, descriptor_cap(limits.max_connections))
+    return asyncio.run(serve(config, limits))

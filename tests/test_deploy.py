@@ -30,6 +30,7 @@ def test_systemd_unit_restarts_on_failure_only():
     assert service["ExecStart"].split()[1:] == ["--config", "/etc/verity/verity.toml"]
     assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
     assert int(service["TimeoutStopSec"]) > 30 + 10  # drain timeout + the worker's stop
+    assert int(service["LimitNOFILE"]) >= 4096 + 1024  # mlx-lm's hard limit; the default connection cap
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
 
@@ -51,3 +52,5 @@ def test_launchd_plist_restarts_on_nonzero_exit():
     assert plist["ProgramArguments"][1] == "--config" and plist["ProgramArguments"][2].endswith("verity.toml")
     assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["RunAtLoad"] is True
     assert plist["ExitTimeOut"] > 30
+    for limits in ("SoftResourceLimits", "HardResourceLimits"):  # mlx-lm's 4,096; the default connection cap
+        assert plist[limits]["NumberOfFiles"] >= 4096 + 1024

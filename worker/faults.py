@@ -2,6 +2,7 @@
 
 VERITY_FAULT_STEP_DELAY_S  seconds each engine step is slowed by (a slow worker)
 VERITY_FAULT_EXIT_ON_JOB   exit code the worker dies with when a job arrives (a crashing worker)
+VERITY_FAULT_SUBMIT_DELAY_S  seconds each job's submission is slowed by (a long prompt's tokenizing)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 STEP_DELAY_S = float(os.environ.get("VERITY_FAULT_STEP_DELAY_S", "0") or 0)
 EXIT_ON_JOB = int(os.environ.get("VERITY_FAULT_EXIT_ON_JOB", "0") or 0)
+SUBMIT_DELAY_S = float(os.environ.get("VERITY_FAULT_SUBMIT_DELAY_S", "0") or 0)
 
 
 def after_step() -> None:
@@ -21,3 +23,8 @@ def after_step() -> None:
 def on_job() -> None:
     if EXIT_ON_JOB:
         os._exit(EXIT_ON_JOB)
+
+
+def before_submit() -> None:
+    if SUBMIT_DELAY_S:
+        time.sleep(SUBMIT_DELAY_S)

@@ -2,7 +2,11 @@
 
 The MLX thread (the main thread) runs only the engine loop. IO threads move bytes: jobs in
 (tokenized and queued from that thread, so a reply comes without waiting for a step), cancels in
-(applied at once as a flag), events and stats out.
+(applied at once as a flag), events and stats out (the stats are the worker's heartbeat).
+
+A cancel can overtake its job (the jobs thread is busy tokenizing): one for a request not yet
+known is remembered (EarlyCancels) and applied when the job arrives. A prompt whose text is too
+long to fit the context even at the vocabulary's longest token is refused before tokenizing.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Iterator, Optional
 
 import zmq
 
 from protocol import codec, messages as m, runtime
+from protocol.schema import message_text
 from worker import faults
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
@@ -31,6 +37,44 @@ log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
 POLL_MS = 200
+EARLY_CANCELS = 4096  # cancels remembered for jobs not yet arrived; the oldest go first
+EARLY_CANCEL_S = 120.0  # and each is forgotten after this long
+
+
+class EarlyCancels:
+    """Cancels for request ids whose job has not arrived: bounded in number and in age."""
+
+    def __init__(self, limit: int = EARLY_CANCELS, expiry_s: float = EARLY_CANCEL_S):
+        self.limit, self.expiry_s = limit, expiry_s
+        self._at: OrderedDict[str, float] = OrderedDict()
+
+    def remember(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._at[request_id] = now
+        self._at.move_to_end(request_id)
+        while self._at and (len(self._at) > self.limit or now - next(iter(self._at.values())) > self.expiry_s):
+            self._at.popitem(last=False)
+
+    def take(self, request_id: str) -> bool:
+        at = self._at.pop(request_id, None)
+        return at is not None and time.monotonic() - at <= self.expiry_s
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The longest vocabulary entry in UTF-8 bytes: no token stands for more bytes of text."""
+    try:
+        return max(len(t.encode()) for t in tokenizer.get_vocab()) or 1
+    except Exception:  # a tokenizer without a vocabulary listing: no cheap bound
+        return 0
+
+
+def prompt_bytes(req: m.GenerateRequest) -> int:
+    if req.messages is None:
+        return len(req.prompt.encode()) if isinstance(req.prompt, str) else 0  # token ids: counted as tokens
+    return sum(len(message_text(x).encode()) for x in req.messages)
 
 
 class WorkerProc:
@@ -42,6 +86,11 @@ class WorkerProc:
         self.outbox: queue.Queue = queue.Queue()
         self.origins: dict[str, int] = {}  # request id -> pid of the gateway that submitted it
         self.stopping = threading.Event()
+        self.early = EarlyCancels()
+        self._known = threading.Lock()  # orders a job's arrival against its cancel
+        token_bytes = max_token_bytes(lm.tokenizer)
+        # tokens >= bytes / token_bytes; twice that leaves room for normalizers that shrink text
+        self.max_prompt_bytes = 2 * token_bytes * lm.context_limit if token_bytes else None
 
     def _socket(self, kind: int, name: str, bind: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -115,15 +164,38 @@ class WorkerProc:
     def _jobs_loop(self) -> None:
         for job in self._received(runtime.JOBS, codec.job_decoder(), "job"):
             faults.on_job()
-            try:
-                n = self.engine.submit(job.request_id, job.request)
-                self.origins[job.request_id] = job.gateway_pid
-                event = m.Queued(job.request_id, n)
-                log.info("[%s] queued: %d prompt tokens", job.request_id, n)
-            except RequestError as e:
-                event = m.Error(job.request_id, e.code, e.message, e.status, e.param)
-                log.info("[%s] refused: %s", job.request_id, e.code)
-            self.outbox.put(m.EventBatch(self.pid, [event]))
+            self.outbox.put(m.EventBatch(self.pid, [self._submit(job)]))
+
+    def _submit(self, job: m.SubmitRequest):
+        """The job's first event: Queued, an Error, or Finished "cancelled" when its cancel came first."""
+        rid = job.request_id
+        with self._known:
+            if self.early.take(rid):
+                log.info("[%s] cancelled before its job arrived", rid)
+                return m.Finished(rid, "cancelled", m.RequestMetrics(mode=job.request.mode))
+        try:
+            self._check_length(job.request)
+            faults.before_submit()
+            n = self.engine.submit(rid, job.request)
+        except RequestError as e:
+            log.info("[%s] refused: %s", rid, e.code)
+            return m.Error(rid, e.code, e.message, e.status, e.param)
+        with self._known:
+            self.origins[rid] = job.gateway_pid
+            if self.early.take(rid):  # it came while the prompt was tokenized
+                log.info("[%s] cancel (it came while the job was tokenized)", rid)
+                self.engine.cancel(rid)
+        log.info("[%s] queued: %d prompt tokens", rid, n)
+        return m.Queued(rid, n)
+
+    def _check_length(self, req: m.GenerateRequest) -> None:
+        """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""
+        size = prompt_bytes(req)
+        if self.max_prompt_bytes and size > self.max_prompt_bytes:
+            raise RequestError(
+                "context_length_exceeded",
+                f"the prompt has {size} bytes of text, more than this model's context of {self.lm.context_limit} "
+                f"tokens can hold", param="messages" if req.messages is not None else "prompt")
 
     def _control_loop(self) -> None:
         for msg in self._received(runtime.CONTROL, codec.control_decoder(), "control message"):
@@ -133,6 +205,9 @@ class WorkerProc:
                         log.info("[%s] cancel: its gateway (pid %d) is gone", rid, gateway)
                         self.engine.cancel(rid)
                 continue
+            with self._known:
+                if msg.request_id not in self.origins:  # its job has not arrived (or it ended)
+                    self.early.remember(msg.request_id)
             log.info("[%s] cancel", msg.request_id)
             self.engine.cancel(msg.request_id)
 

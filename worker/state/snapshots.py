@@ -8,17 +8,20 @@ reference (ArraysCache replaces them on update, never writes into them; tests/te
 checks that a snapshot is bitwise unchanged after a restored branch moves on).
 
 Spill files (`--cache-dir`) are safetensors, 0600 in a 0700 directory (they hold conversation
-state), with the metadata and a sha256 of the arrays in the header. A file that is missing,
-unreadable or fails its checksum is dropped with a warning, never used.
+state), with the metadata and one sha256 over that metadata and the arrays in the header. A file
+that is missing, unreadable, not a regular file or fails its checksum is skipped with a warning,
+never used; a write that fails (a full disk) leaves no partial file behind.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ from protocol import messages as m
 from worker.state.checkpoint import RecordingArraysCache
 
 log = logging.getLogger("verity.worker")
-FORMAT = "verity-snapshot-1"
+FORMAT = "verity-snapshot-2"  # 2: the checksum covers the header too
 SUFFIX = ".safetensors"
 
 # per layer: ("kv", (keys, values)) with the valid range only, or ("arrays", (conv, state)); None
@@ -104,8 +107,11 @@ class SnapshotStore:
         if self.dir is not None:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.dir.stat().st_mode & 0o077:
-                log.warning("cache dir %s was readable by others; now 0700", self.dir)
-                self.dir.chmod(0o700)
+                log.warning("cache dir %s was readable by others; making it 0700", self.dir)
+                try:
+                    self.dir.chmod(0o700)
+                except OSError as e:
+                    log.warning("could not make %s 0700: %s", self.dir, e.strerror)
             self._scan()
             threading.Thread(target=self._write_loop, name="spill", daemon=True).start()
 
@@ -126,7 +132,7 @@ class SnapshotStore:
         with self._files:
             for i in ids:
                 if self.snapshots.pop(i, None) is not None and self.dir is not None:
-                    self._path(i).unlink(missing_ok=True)
+                    _unlink_quietly(self._path(i))
 
     def flush(self) -> None:
         """Waits until every snapshot added so far is in its file."""
@@ -172,13 +178,17 @@ class SnapshotStore:
             layout[part] = [[kind, [a is not None for a in slots]] for kind, slots in state]
             for i, (_, slots) in enumerate(state):
                 arrays.update({f"{part}.{i}.{j}": a for j, a in enumerate(slots) if a is not None})
-        header = {"meta": msgspec.to_builtins(snap.meta), "draft_tokens": snap.draft_tokens, "layout": layout,
-                  "sha256": _checksum(arrays)}
+        header = {"meta": msgspec.to_builtins(snap.meta), "draft_tokens": snap.draft_tokens, "layout": layout}
+        header["sha256"] = _checksum(header, arrays)
         final = self._path(snap.meta.id)
         tmp = final.with_name(f".{final.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            mx.save_safetensors(f, arrays, metadata={"format": FORMAT, "verity": json.dumps(header)})
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                mx.save_safetensors(f, arrays, metadata={"format": FORMAT, "verity": json.dumps(header)})
+        except BaseException:  # a full disk: the partial file goes, or it keeps the disk full
+            _unlink_quietly(tmp)
+            raise
         with self._files:
             if self.snapshots.get(snap.meta.id) is snap:
                 os.replace(tmp, final)
@@ -186,10 +196,14 @@ class SnapshotStore:
                 tmp.unlink()
 
     def _load(self, snap: Snapshot) -> None:
-        arrays, metadata = mx.load(str(self._path(snap.meta.id)), format="safetensors", return_metadata=True)
+        path = self._path(snap.meta.id)
+        os.close(_open_regular(path))
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         header = json.loads(metadata["verity"])
-        if _checksum(arrays) != header["sha256"]:
-            raise ValueError("its checksum does not match")
+        if metadata.get("format") != FORMAT or _checksum(header, arrays) != header.get("sha256"):
+            raise ValueError("its checksum (over header and arrays) does not match")
+        if header["meta"]["tokens"] != list(snap.meta.tokens) or header["draft_tokens"] != snap.draft_tokens:
+            raise ValueError("it changed since it was registered")
         for part, layout in header["layout"].items():
             state = [(kind, tuple(arrays[f"{part}.{i}.{j}"] if present else None for j, present in enumerate(slots)))
                      for i, (kind, slots) in enumerate(layout)]
@@ -199,7 +213,7 @@ class SnapshotStore:
         """Registers the snapshots a previous worker spilled (their headers only; arrays on use)."""
         for path in sorted(self.dir.iterdir()):
             if path.name.startswith(".") and path.name.endswith(".tmp"):  # a write that never finished
-                path.unlink(missing_ok=True)
+                _unlink_quietly(path)
                 continue
             if path.suffix != SUFFIX:
                 continue
@@ -209,16 +223,24 @@ class SnapshotStore:
                 if path.name != f"{meta.id}{SUFFIX}":
                     raise ValueError("its name does not match its id")
                 self.snapshots[meta.id] = Snapshot(meta, header["draft_tokens"])
+            except NotRegular as e:  # never removed: it is not ours
+                log.warning("skipped %s in the cache dir: %s", path.name, e)
             except Exception as e:
                 log.warning("dropped spill file %s: %s", path.name, e)
-                path.unlink(missing_ok=True)
+                _unlink_quietly(path)
         self.high_water = self.nbytes
         if self.snapshots:
             log.info("found %d spilled snapshots (%d bytes) in %s", len(self.snapshots), self.nbytes, self.dir)
 
 
-def _checksum(arrays: dict[str, mx.array]) -> str:
+class NotRegular(ValueError):
+    """A directory, FIFO, device or link where a snapshot file should be."""
+
+
+def _checksum(header: dict, arrays: dict[str, mx.array]) -> str:
+    """One sha256 over the header (all but its checksum) and the arrays."""
     h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode() + b"\n")
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}:{a.dtype}:{a.shape}\n".encode())
@@ -226,10 +248,34 @@ def _checksum(arrays: dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:  # a read-only directory: left as it is
+        log.warning("could not remove %s: %s", path.name, e.strerror)
+
+
+def _open_regular(path: Path) -> int:
+    """An fd of a regular file; opening never blocks (a FIFO) nor follows a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            raise NotRegular("not a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegular("not a regular file")
+    return fd
+
+
 def _read_header(path: Path) -> dict:
     """A safetensors file's `__metadata__`, without reading its arrays."""
-    with open(path, "rb") as f:
+    with open(_open_regular(path), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 64 << 20:
             raise ValueError("implausible header length")
-        return json.loads(f.read(n))["__metadata__"]
+        header = json.loads(f.read(n))["__metadata__"]
+    if header.get("format") != FORMAT:
+        raise ValueError(f"format {header.get('format')!r}, not {FORMAT}")
+    return header
