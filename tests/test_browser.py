@@ -34,6 +34,7 @@ TIMEOUT_MS = 60_000
 DESKTOP, PHONE = {"width": 1280, "height": 860}, {"width": 390, "height": 844}
 CODE = "for i in range(3):\n    print(i)  # count"
 MARKDOWN = f"Here is one:\n\n```python\n{CODE}\n```\n\nand `inline` code, **bold**."
+WIDE = "\n\n```\n" + "x = 1; " * 40 + "\n```\n\n" + "unbroken" * 30  # must scroll or wrap, never widen the page
 TABLE = "\n\n| α | survival |\n|---|---|\n| 0.8 | 0.64 |\n\nSee [the docs](https://example.org/) and a\n\n> quote"
 HOSTILE = 'Stored <img src=x onerror="window.pwned=1"> and <script>window.pwned=2</script> stay inert.'
 
@@ -362,8 +363,9 @@ def axe_violations(page) -> list[str]:
 
 @pytest.mark.parametrize("size", ["desktop", "phone"])
 def test_layout_and_accessibility_in_both_themes(stack, page, size):
+    page.goto(f"{stack.url}/#chat")  # the key and conversations are those of the checks above
     if not page.locator("#conversations button.open:text('Showcase')").count():  # a code block, a link, a table
-        page.set_input_files("#import", files=[export_file("Showcase", [("Show me", MARKDOWN + TABLE)])])
+        page.set_input_files("#import", files=[export_file("Showcase", [("Show me", MARKDOWN + TABLE + WIDE)])])
     page.set_viewport_size(DESKTOP if size == "desktop" else PHONE)
     failures = []
     for theme in ("light", "dark"):
