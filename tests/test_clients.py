@@ -95,6 +95,16 @@ def test_sdk_tools_round_trip(client, model):
     assert isinstance(call.function.parsed_arguments, Weather)
 
 
+def test_sdk_two_choices_each_call(client, model):
+    done = client.chat.completions.create(model=model, messages=ask("weather?"), n=2, seed=3, temperature=1.0,
+                                          tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=MAX_TOKENS)
+    assert sorted(c.index for c in done.choices) == [0, 1]
+    for choice in done.choices:
+        assert choice.finish_reason == "tool_calls"
+        Weather.model_validate_json(choice.message.tool_calls[0].function.arguments)
+
+
 def test_sdk_streamed_tool_call_deltas(client, model):
     stream = client.chat.completions.create(model=model, messages=ask("weather in Oslo?"), stream=True,
                                             tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
