@@ -71,6 +71,10 @@ def add_group_flags(p) -> None:
 def plan_from_args(ranks: int, hostfile: Optional[str], backend: Optional[str], shard: str,
                    rank_timeout_s: float) -> Optional[GroupPlan]:
     """The group launch-stack's flags ask for (None: one worker process, as without them)."""
+    if ranks < 1:
+        raise GroupError(f"--ranks must be at least 1, not {ranks}")
+    if hostfile and ranks > 1:
+        raise GroupError("--ranks and --hostfile both name the group's ranks: give one of them")
     if hostfile:
         hosts, file_backend, envs = read_hostfile(hostfile)
         backend = backend or file_backend

@@ -73,6 +73,14 @@ async def post(url: str, body: dict) -> tuple[int, dict]:
             return r.status, await r.json()
 
 
+async def read_data_lines(resp, n: int) -> None:
+    seen = 0
+    async for line in resp.content:
+        seen += line.startswith(b"data: ")
+        if seen >= n:
+            return
+
+
 def rank_pids(stack: Stack) -> dict[int, int]:
     """The latest pid of each rank, from launch-stack's log."""
     return {int(rank): int(pid) for rank, pid in _RANK_PID.findall(stack.log())}
@@ -126,11 +134,7 @@ async def test_a_cancel_reaches_every_rank(group):
     pid = group.worker_pid()
     async with aiohttp.ClientSession() as http:
         r = await http.post(group.url + "/v1/chat/completions", json=chat("hello world", 1000, stream=True))
-        seen = 0
-        async for line in r.content:
-            seen += line.startswith(b"data: ")
-            if seen >= 3:
-                break
+        await read_data_lines(r, 3)
         r.close()  # the client goes away: the gateway cancels
     await until(group.idle, 30, "the group to drop the cancelled request")
     # a rank that missed the cancel would decode on alone and break the group's lockstep
@@ -161,22 +165,24 @@ def test_metrics_and_the_monitor_show_every_rank(group):
 
 
 async def test_a_killed_rank_takes_the_group_down_and_it_restarts_whole(group):
+    """Two streams decoding (the group's --max-active 2), one request waiting; rank 1 gets SIGKILL.
+    The streams end with worker_died; the waiting request is served by the restarted group."""
     before = rank_pids(group)
     assert set(before) == {0, 1}
     async with aiohttp.ClientSession() as http:
-        r = await http.post(group.url + "/v1/chat/completions", json=chat("hello world", 1000, stream=True))
-        seen = 0
-        async for line in r.content:
-            seen += line.startswith(b"data: ")
-            if seen >= 3:
-                break
+        running = [await http.post(group.url + "/v1/chat/completions", json=chat(p, 1000, stream=True))
+                   for p in ("hello world", "the quick brown fox")]
+        for r in running:
+            await read_data_lines(r, 3)
+        waiting = asyncio.create_task(post(group.url, chat("once upon a time")))
+        await until(lambda: group.health()[1].get("admitted") == 3, 10, "three admitted")
         os.kill(before[1], signal.SIGKILL)
-        tail = [line async for line in r.content]
-    errors = [json.loads(x[6:]) for x in tail if x.startswith(b'data: {"error"')]
-    assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_died", tail[-4:]
-    await until(lambda: group.health()[0] == 200 and rank_pids(group)[0] != before[0], 120, "the restarted group")
-    status, body = await post(group.url, chat("once upon a time"))
-    assert status == 200 and body["usage"]["completion_tokens"] == N_TOKENS
+        tails = [[line async for line in r.content] for r in running]
+    for tail in tails:
+        errors = [json.loads(x[6:]) for x in tail if x.startswith(b'data: {"error"')]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_died", tail[-4:]
+    status, body = await waiting
+    assert status == 200 and body["usage"]["completion_tokens"] == N_TOKENS, body
     after = rank_pids(group)
     assert group.health()[1]["worker_restarts"] == 1 and not set(after.values()) & set(before.values())
     assert not alive(before[0]), "rank 0 of the broken group is still running"
@@ -229,6 +235,14 @@ def test_a_remote_rank_gets_what_mlx_reads_from_its_ssh_command(tmp_path):
     out = subprocess.run(["bash", "-c", remote_command(env, show)], capture_output=True, text=True, timeout=60).stdout
     rank, hostfile = out.split("\n", 1)
     assert rank == "1" and json.loads(hostfile) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
+
+
+@pytest.mark.parametrize("args,says", [(("--ranks", "0"), "--ranks must be at least 1"),
+                                       (("--ranks", "2", "--hostfile", "h.json"), "give one of them"),
+                                       (("--hostfile", "/nonexistent.json"), "cannot read the hostfile")])
+def test_a_group_asked_for_wrongly_fails_the_start_naming_the_flag(args, says):
+    r = subprocess.run([LAUNCH_STACK, "--port", "0", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
 def test_an_unreachable_host_fails_the_start_naming_it(tmp_path, tiny_llama):
