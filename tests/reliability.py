@@ -119,6 +119,7 @@ def render(run: dict, entries: list[dict]) -> str:
         f"- reliability checks: {passed} of {len(entries)} passed",
         "",
     ]
+    out += _attack_table(entries)
     for key, heading in SECTIONS.items():
         mine = [e for e in entries if e["section"] == key]
         if not mine:
@@ -133,6 +134,22 @@ def render(run: dict, entries: list[dict]) -> str:
                 out.append("")
             out += [f"<sub>{e['test']}</sub>", ""]
     return "\n".join(out)
+
+
+def _attack_table(entries: list[dict]) -> list[str]:
+    """One row per entry that states what was expected: attack, expected, observed, lost/hung/leaked."""
+    rows = [e for e in entries if "expected" in e["figures"]]
+    if not rows:
+        return []
+    out = ["## Attacks at a glance", "", "| attack | expected | observed | lost / hung / leaked |", "| --- | --- | --- | --- |"]
+    for e in rows:
+        f = e["figures"]
+        seen = "; ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in f.items()
+                         if k not in ("expected", "lost", "hung", "leaked"))
+        mark = "" if e["outcome"] == "passed" else f" (**{e['outcome'].upper()}**)"
+        out.append(f"| {e['title']}{mark} | {f['expected']} | {seen} | "
+                   f"{_fmt(f.get('lost', '?'))} / {_fmt(f.get('hung', '?'))} / {_fmt(f.get('leaked', '?'))} |")
+    return out + [""]
 
 
 # ---- processes, through /proc (Linux) ----

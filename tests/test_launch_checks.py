@@ -52,7 +52,8 @@ async def test_key_file_serves_and_no_child_sees_the_key_on_its_command_line(tin
         "The key from --api-key-file (refused unless only its owner can read it) or VERITY_API_KEY; launch-stack "
         "hands it to the gateway in its environment. --api-key on the command line still works and warns.",
         expected="0644 file refused; no process's command line holds the key",
-        loose_file="exit 1, `chmod 600` named", processes_checked=len(cmdlines), key_on_a_command_line=0)
+        loose_file="exit 1, `chmod 600` named", processes_checked=len(cmdlines), key_on_a_command_line=0,
+        lost=0, hung=0, leaked="none (the key in no command line)")
 
 
 def _low_hard_limit() -> None:

@@ -40,6 +40,7 @@ async def test_frozen_worker_is_reported_then_restarted_and_nothing_admitted_is_
             for r in answers:
                 await r.read()
         await until(lambda: s.health()[0] == 200 and s.worker_pid() not in (None, old), 30, "the new worker ready")
+        healthy_s = time.monotonic() - t0
         log = s.log()
     assert report["status"] == "worker_unresponsive" and f"pid {old}" in report["detail"], report
     assert unhealthy_s < HEARTBEAT_S + 2.5, unhealthy_s  # the bound, a stats interval, a loaded CPU
@@ -55,6 +56,7 @@ async def test_frozen_worker_is_reported_then_restarted_and_nothing_admitted_is_
         f"--hang-timeout-s ({HANG_S:g} s here), as for a death.",
         expected="503 within the first bound; restart past the second; nothing admitted lost",
         health_503_after_s=round(unhealthy_s, 2), stream_ended_after_s=round(restarted_s, 2),
+        health_200_again_after_s=round(healthy_s, 2),
         started_stream="error event `worker_died` then [DONE]",
         waiting_and_late_requests=" and ".join(map(str, statuses)), lost=0, hung=0, leaked="none")
 
