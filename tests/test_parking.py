@@ -10,6 +10,7 @@ import msgspec
 
 import pytest
 
+from conftest import FULL
 from joint_fixtures import load_pair
 from protocol import messages as m
 from test_batching import CountingModel, chat, divergences_off_near_ties, drive
@@ -90,3 +91,22 @@ def test_a_parked_row_that_is_sampled_draws_from_its_own_key(pair):
         return drive(Engine(pair.target, EngineConfig(max_active=6, draft_budget=0), pair.drafts["copy"]), arrivals)["s"]
 
     assert run({0: [("s", seeded), others[0]]}) == run({0: others[:2] + [("s", seeded)], 1: others[2:]})
+
+
+@pytest.mark.slow
+def test_the_embedded_pair_in_a_batch_decodes_as_each_request_alone():
+    """The embedded model and its draft: baseline and joint rows joining and leaving mid-stream,
+    the plan adaptive; each greedy output equals the request alone (off near-ties)."""
+    from worker.loader import load_draft, load_model
+
+    target = load_model("embedded")
+    draft = load_draft("embedded", target)
+    n, tokens = (8, 48) if FULL else (4, 16)
+    reqs = {f"r{i}": (joint if i % 2 else chat)(p, tokens + 2 * i) for i, p in enumerate((PROMPTS * 2)[:n])}
+    ids = list(reqs)
+    arrivals = {0: [(rid, reqs[rid]) for rid in ids[: n // 2]], 4: [(rid, reqs[rid]) for rid in ids[n // 2 :]]}
+    got = drive(Engine(target, EngineConfig(max_active=n), draft), arrivals)
+    for rid, req in reqs.items():
+        want = drive(Engine(target, EngineConfig(max_active=1)), {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        assert len(got[rid]) == req.max_tokens
+        assert divergences_off_near_ties(target, req, got[rid], want) == 0, (rid, got[rid], want)
