@@ -240,3 +240,36 @@ def test_calls_cut_by_max_tokens_end_with_length():
         chunks = [shaper.chunk(text=text[:30]), shaper.chunk(text=text[30:]), shaper.chunk(finished=done[reason])]
         assert chunks[-1]["choices"][0]["finish_reason"] == expected
         assert [d["function"]["name"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])] == ["f"]
+
+
+KEYWORDS = ["type", "properties", "items", "enum", "const", "required", "anyOf", "oneOf", "allOf", "not", "$ref",
+            "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "minItems", "maxItems",
+            "additionalProperties", "prefixItems", "$defs", "if", "then", "uniqueItems", "multipleOf"]
+JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.sampled_from(
+    ["object", "string", "integer", "array", "boolean", "null", "number", "a", "^[a-z]+$", "#/$defs/x", "email"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.sampled_from(KEYWORDS + ["x", "y"]), inner, max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=200 if FULL else 40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=JSONISH, strict=st.booleans(), as_tool=st.booleans())
+def test_any_schema_compiles_or_is_refused_by_name(engine, schema, strict, as_tool):
+    """Whatever a client sends as a schema: a grammar whose mask allows some token, or a 400 naming it."""
+    import mlx.core as mx
+
+    if as_tool:
+        kw = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": "required"}
+    else:
+        kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}}}
+    try:
+        req = request("hi", **kw)
+    except RequestInvalid as e:  # not an object where one is required
+        assert e.param and ("parameters" in e.param or "schema" in e.param)
+        return
+    try:
+        grammar = engine._grammar(req)
+    except RequestError as e:
+        assert e.code == "invalid_schema" and e.param in ("response_format.json_schema.schema", "tools[0].function.parameters", "tools")
+        return
+    mask = engine.grammars.processor(grammar)(mx.array([1, 2, 3]), mx.zeros((1, 384)))
+    assert (mask > -mx.inf).any().item()
