@@ -29,6 +29,7 @@ class BaselineBatch:
         self.prefill_step = prefill_step
         self.rows: dict[int, BaselineRow] = {}  # by the batch's uid
         self._to_prefill: dict[int, int] = {}  # prompt tokens each joining row has yet to feed, its last aside
+        self._leaving: list[int] = []  # rows gone since the last step, taken out of the batch together
 
     def prefill_next(self) -> int:
         """Prompt tokens the next step prefills (one chunk of each joining row's)."""
@@ -48,6 +49,9 @@ class BaselineBatch:
 
     def step(self) -> None:
         """One decode step of the rows in generation and one prefill chunk of those joining."""
+        if self._leaving:  # one filter of the batch's caches for all of them
+            self.gen.remove(self._leaving)
+            self._leaving = []
         if not self.rows:
             return
         self._to_prefill = {u: n - self.prefill_step for u, n in self._to_prefill.items() if n > self.prefill_step}
@@ -84,9 +88,10 @@ class BaselineBatch:
         return self.gen.extract_cache([uid])[uid][0]
 
     def leave(self, uid: int) -> None:
+        """The row is gone: nothing is delivered to it again; it leaves the batch before the next step."""
         self._to_prefill.pop(uid, None)
         if self.rows.pop(uid, None) is not None:
-            self.gen.remove([uid])
+            self._leaving.append(uid)
 
 
 class BaselineRow:
