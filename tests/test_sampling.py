@@ -78,7 +78,10 @@ def test_seeded_truncated_sampling_reproduces_alone_and_concurrently(pair, mode)
 
     alone = run(engine(), {"a": req("once upon a time", **fields)})["a"][0]
     again = run(engine(), {"a": req("once upon a time", **fields)})["a"][0]
-    others = {f"o{i}": req(t, temperature=1.0, mode=mode) for i, t in enumerate(PROMPTS)}
+    # beside other requests of the batch (joint: baseline ones; a joint request verified in one
+    # forward with other joint requests gets padded shapes, whose rounding can flip a sampled
+    # token: docs/design.md, "Samplers, log-probabilities and request defaults")
+    others = {f"o{i}": req(t, temperature=1.0, seed=i) for i, t in enumerate(PROMPTS)}
     crowd = run(engine(), {"a": req("once upon a time", **fields), **others})["a"][0]
     assert alone == again == crowd
     other_seed = run(engine(), {"a": req("once upon a time", **{**fields, "seed": 12})})["a"][0]
@@ -108,3 +111,18 @@ def test_defaults_fill_omitted_fields(pair):
     out = run(eng, {"a": r, "b": req("hello", max_tokens=6)})
     assert (r.temperature, r.top_k) == (0.0, 3)
     assert out["a"][0] == out["b"][0]
+
+
+def test_request_defaults_come_from_flags_then_the_model(tmp_path):
+    """Each field falls back on its own: flags, generation_config.json, the embedded card, OpenAI."""
+    from worker.defaults import resolve
+
+    assert resolve("embedded", {}) == m.SamplingDefaults(temperature=0.2, top_p=0.9, source="model_card")
+    both = resolve("embedded", {"temperature": 0.0, "top_k": 5}, max_tokens=64)
+    assert (both.temperature, both.top_p, both.top_k, both.max_tokens, both.source) == (0.0, 0.9, 5, 64, "flags+model_card")
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}')
+    folder = resolve(str(tmp_path), {"min_p": 0.1})
+    assert (folder.temperature, folder.top_p, folder.top_k, folder.min_p) == (0.6, 0.95, 20, 0.1)
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert resolve(str(tmp_path), {}).temperature == 0.0  # do_sample false: greedy
+    assert resolve(str(tmp_path / "none"), {}) == m.SamplingDefaults()
