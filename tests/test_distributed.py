@@ -48,8 +48,8 @@ def reference(target, bodies: list[dict]) -> list[Reference]:
     output is the target's own, so the baseline's is every mode's reference."""
     lm = load_model(str(target))
     engine = Engine(lm, EngineConfig(max_active=len(bodies)))
-    reqs = [m.GenerateRequest(messages=[m.Message("user", b["messages"][0]["content"])], max_tokens=b["max_tokens"],
-                              temperature=0.0, ignore_eos=True) for b in bodies]
+    reqs = [m.GenerateRequest(messages=[m.Message(x["role"], x["content"]) for x in b["messages"]],
+                              max_tokens=b["max_tokens"], temperature=0.0, ignore_eos=True) for b in bodies]
     text, tokens = {i: "" for i in range(len(reqs))}, {i: [] for i in range(len(reqs))}
     for i, req in enumerate(reqs):
         engine.submit(str(i), req)
@@ -125,7 +125,7 @@ async def test_two_ranks_serve_what_one_process_serves_baseline_and_joint(arch, 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     target = tiny_model_dir(tmp_path_factory, "llama", seed=0)
-    s = Stack(str(target), "--ranks", "2", "--max-active", "2", "--cache-bytes", "0").start()
+    s = Stack(str(target), "--ranks", "2", "--max-active", "2").start()  # with prefix reuse
     yield s
     s.stop()
 
@@ -142,6 +142,21 @@ async def test_a_cancel_reaches_every_rank(group):
     assert status == 200 and body["usage"]["completion_tokens"] == N_TOKENS
     assert group.worker_pid() == pid and group.health()[1]["worker_restarts"] == 0
     assert "cancel" in group.log()
+
+
+async def test_prefix_reuse_moves_in_lockstep(group, tmp_path_factory):
+    """A conversation's next turn restores the snapshot every rank kept of its shard at the first
+    turn's boundary, and decodes what the single process decodes from scratch."""
+    first = chat("tell me a story about the sea " * 8)
+    status, a = await post(group.url, first)
+    assert status == 200
+    second = {**first, "messages": first["messages"] + [
+        {"role": "assistant", "content": a["choices"][0]["message"]["content"]}, {"role": "user", "content": "and then?"}]}
+    status, b = await post(group.url, second)
+    assert status == 200 and b["metrics"]["reused_tokens"] > 0, b["metrics"]
+    want = reference(tiny_model_dir(tmp_path_factory, "llama", seed=0), [second])[0]
+    assert b["choices"][0]["message"]["content"] == want.text or min(want.gaps) < NEAR_TIE
+    assert group.health()[1]["worker_restarts"] == 0
 
 
 def test_metrics_and_the_monitor_show_every_rank(group):

@@ -39,6 +39,7 @@ class StepInput(msgspec.Struct, tag="step", array_like=True):
     drafting: bool = False  # the scheduler's state that admission reads (Engine._alone_and_plain_first)
     digest: int = 0  # rank 0's tokens and ends of the previous step (a follower checks its own)
     idle: bool = False  # a heartbeat: no step follows
+    reuse: bool = False  # prefix reuse is on (it is turned on after the warm-up)
     stop: bool = False
 
 
@@ -48,7 +49,14 @@ class RoundBudgets(msgspec.Struct, tag="plan", array_like=True):
     budgets: dict[str, int]
 
 
-Message = StepInput | RoundBudgets
+class ReuseAnswer(msgspec.Struct, tag="reuse", array_like=True):
+    """The cache service's answer to rank 0, for the other ranks' snapshot stores."""
+
+    hit: Optional[m.CacheHit] = None
+    evict: Optional[list[str]] = None
+
+
+Message = StepInput | RoundBudgets | ReuseAnswer
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -124,7 +124,7 @@ class LeaderEngine(GroupEngine):
             self._waiting.extend(new)
             self._cancels |= cancels
         self.link.send(StepInput([Submitted(r.id, r.req, r.prompt) for r in new], sorted(cancels),
-                                 self.scheduler.drafting, self._digest))
+                                 self.scheduler.drafting, self._digest, reuse=self.reuse is not None))
         events = super().step()
         self._digest = digest(events)
         self.link.moved()
@@ -142,6 +142,7 @@ class FollowerEngine(GroupEngine):
         self.link = link
         self.scheduler = FollowerPlanner(link)
         self._digest = 0
+        self.prefix_cache = None  # this rank's snapshots, on while rank 0 says so (after its warm-up)
 
     def run(self) -> int:
         """Follows rank 0 until it says stop (0); raises when the group breaks."""
@@ -160,6 +161,7 @@ class FollowerEngine(GroupEngine):
             self.link.moved()
 
     def _apply(self, msg: StepInput) -> None:
+        self.reuse = self.prefix_cache if msg.reuse else None
         for s in msg.submitted:  # checked, tokenized and compiled here as on rank 0
             if self.submit(s.request_id, s.request) != len(s.prompt) or self._waiting[-1].prompt != s.prompt:
                 raise Diverged(f"rank {self.link.rank} tokenized request {s.request_id} otherwise than rank 0")

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+from typing import Optional
 
 import mlx.core as mx
 import msgspec
@@ -18,9 +19,13 @@ from protocol import messages as m, runtime
 from worker.distributed.link import GroupBroken, Link, Watchdog
 from worker.distributed.lockstep import FollowerEngine, LeaderEngine
 from worker.distributed.shard import ShardError, shard_model
-from worker.engine import EngineConfig
+from worker.cache_client import CacheClient
+from worker.distributed.reuse import FollowerClient, LeaderClient
+from worker.engine import EngineConfig, cache_identity
 from worker.loader import PairingError, load_draft, load_model
 from worker.state.checkpoint import install_recording
+from worker.state.reuse import PrefixCache
+from worker.state.snapshots import SnapshotStore
 
 log = logging.getLogger("verity.worker")
 INFO_BYTES = 256
@@ -74,8 +79,6 @@ def run_rank(argv: list[str]) -> int:
     if draft is not None:
         install_recording(lm.model)
         install_recording(draft.model)
-    if args.prefix_cache:
-        log.warning("prefix reuse is off in a distributed group (its snapshots would be per shard)")
     link = Link(group)
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
@@ -84,20 +87,43 @@ def run_rank(argv: list[str]) -> int:
     ranks = gather(group, RankInfo(rank, os.getpid(), socket.gethostname(), engine.kv_budget))
     engine.kv_budget = min(r.kv_budget for r in ranks)  # admission must be the same on every rank
     Watchdog(link, ours.rank_timeout_s).start()
+    reuse = _prefix_cache(args, lm, draft, engine, link) if args.prefix_cache else None
     try:
-        return _lead(engine, lm, args, ranks) if rank == 0 else engine.run()
+        if rank == 0:
+            return _lead(engine, lm, args, ranks, reuse)
+        engine.prefix_cache = reuse
+        return engine.run()
     except (GroupBroken, RuntimeError) as e:
         log.error("rank %d: the group broke: %s", rank, e)
         return 1
 
 
-def _lead(engine: LeaderEngine, lm, args: argparse.Namespace, ranks: list[RankInfo]) -> int:
+def _prefix_cache(args: argparse.Namespace, lm, draft, engine, link: Link) -> Optional[PrefixCache]:
+    """This rank's snapshots (rank 0's answers from the cache service reach every rank)."""
+    if not all(PrefixCache.supports(x.model) for x in (lm, draft) if x is not None):
+        log.warning("this model's cache cannot be snapshotted: serving without prefix reuse")
+        return None
+    if args.cache_dir:
+        log.warning("a group keeps its snapshots in memory: --cache-dir is not used")
+    store = SnapshotStore(None)
+    identity = cache_identity(lm, engine.draft_id)
+    if link.rank:
+        return PrefixCache(identity, lm, draft.model if draft else None, FollowerClient(link), store)
+    client = LeaderClient(CacheClient(runtime.endpoint(args.runtime_dir, runtime.CACHE), store), link)
+    reuse = PrefixCache(identity, lm, draft.model if draft else None, client, store)
+    reuse.heartbeat()
+    return reuse
+
+
+def _lead(engine: LeaderEngine, lm, args: argparse.Namespace, ranks: list[RankInfo],
+          reuse: Optional[PrefixCache]) -> int:
     from worker.proc import WorkerProc
 
     for r in ranks:
         log.info("rank %d: pid %d on %s", r.rank, r.pid, r.host)
     engine.ranks = [m.RankStatus(r.rank, r.pid, r.host) for r in ranks]
     engine.warmup()
+    engine.reuse = reuse  # every rank's from the next step on (StepInput.reuse)
     proc = WorkerProc(engine, lm, args.runtime_dir)
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
