@@ -108,7 +108,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None,
                    help="spill snapshots to files here (mode 0700) so reuse survives a worker restart")
     add_group_flags(p)
-    return parse_with_config(p, argv)
+    a = parse_with_config(p, argv)
+    problem = sampling_flag_problem(a)
+    if problem:
+        p.error(problem)
+    return a
+
+
+def sampling_flag_problem(a: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the request defaults given (the ranges a request's own fields have)."""
+    ranges = (("--temperature", a.temperature, 0.0, 2.0), ("--top-p", a.top_p, 1e-9, 1.0),
+              ("--top-k", a.top_k, 0, None), ("--min-p", a.min_p, 0.0, 1.0), ("--max-tokens", a.max_tokens, 1, a.max_tokens_cap))
+    for flag, value, low, high in ranges:
+        if value is not None and (value < low or (high is not None and value > high)):
+            return f"{flag} {value} is outside [{low:g}, {'∞' if high is None else f'{high:g}'}]"
+    return None
 
 
 def sampling_flags(a: argparse.Namespace) -> list[str]:

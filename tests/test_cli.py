@@ -190,3 +190,10 @@ def test_bench_overhead_json(tiny_llama: Path):
     assert figures["stack_exit_code"] == 0
     assert figures["same_text"], "greedy in-process and HTTP texts differ"
     assert "goal met" in r.stdout or "goal missed" in r.stdout
+
+
+def test_launch_stack_refuses_request_defaults_out_of_range():
+    for flags, words in ((["--temperature", "3"], "--temperature 3.0 is outside [0, 2]"),
+                         (["--max-tokens", "99", "--max-tokens-cap", "64"], "--max-tokens 99 is outside [1, 64]")):
+        r = subprocess.run([sys.executable, "-m", "cli.launch", *flags], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and words in r.stderr, r.stderr
