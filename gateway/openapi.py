@@ -302,7 +302,7 @@ def _request_schema(base: dict, chat: bool, cap: int, model: tuple[str, ...], jo
     s["title"] = "ChatCompletionRequest" if chat else "CompletionRequest"
     s["description"] = (
         ("OpenAI chat completion request" if chat else "OpenAI (legacy) completion request")
-        + f" as verity takes it. Refused by name: {', '.join(sorted(UNSUPPORTED_FIELDS))}. "
+        + f" as verity takes it. Refused by name unless null (or neutral): {', '.join(sorted(UNSUPPORTED_FIELDS))}. "
         "Unknown fields are refused too.")
     return s
 

@@ -149,6 +149,11 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     reasoning_effort: Any = None
     web_search_options: Any = None
     best_of: Optional[Annotated[int, Meta(ge=1)]] = None
+    functions: Any = None  # deprecated for `tools`
+    function_call: Any = None
+    verbosity: Any = None
+    safety_identifier: Optional[str] = None  # accepted, unused (as `user`)
+    prompt_cache_key: Optional[str] = None  # accepted, unused: prefix reuse is automatic
     # verity's own
     mode: Optional[Mode] = "baseline"
     thinking: Optional[bool] = None

@@ -10,13 +10,12 @@ import msgspec
 from protocol.messages import GenerateRequest
 from protocol.tool_rules import check_tools
 
-# OpenAI fields verity does not implement: refused by name, never silently ignored.
-UNSUPPORTED_FIELDS = frozenset(
-    "functions function_call".split()
-)
-# OpenAI fields accepted as null or their neutral value only (anything else: refused by name).
+# OpenAI fields verity does not implement: null (or the neutral value) is accepted, anything else
+# refused by name, never silently ignored.
 NULL_ONLY = {"audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
-             "web_search_options": None, "best_of": 1, "store": False, "service_tier": "auto", "suffix": ""}
+             "web_search_options": None, "best_of": 1, "store": False, "service_tier": "auto", "suffix": "",
+             "functions": None, "function_call": None, "verbosity": None}
+UNSUPPORTED_FIELDS = frozenset(NULL_ONLY)
 SERVED_PARTS = ("text", "refusal")  # content part types; image, audio and file parts are refused by name
 MAX_STOP_STRINGS = 4
 

@@ -5,6 +5,7 @@ server's defaults and model aliases, and a log line for every refusal."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import openai
@@ -119,7 +120,11 @@ def test_samplers_reproduce_with_a_seed(client):
                 presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"5": 2.0},
                 extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.2})
     a, b = (client.chat.completions.create(**body).choices[0].message.content for _ in range(2))
-    assert a == b
+    others = [dict(model=ALIASES[0], messages=msgs(t), temperature=1.0, max_tokens=8) for t in ("hi", "one two", "abc")]
+    with ThreadPoolExecutor(4) as pool:  # the same request again, in one batch with three others
+        futures = [pool.submit(client.chat.completions.create, **x) for x in (body, *others)]
+        crowd = futures[0].result().choices[0].message.content
+    assert a == b == crowd
 
 
 async def test_info_shows_defaults_and_aliases(stack, client):
