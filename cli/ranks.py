@@ -42,8 +42,18 @@ class Host:
 
     @property
     def local(self) -> bool:
+        """This machine: by its name, or an address of its own among the host's ips."""
         names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
-        return self.ssh in names
+        return self.ssh in names or any(_own_address(ip) for ip in self.ips)
+
+
+def _own_address(ip: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -86,6 +96,10 @@ def plan_from_args(ranks: int, hostfile: Optional[str], backend: Optional[str], 
         raise GroupError(f"the first host of the group, {hosts[0].ssh}, must be this machine: "
                          "rank 0 serves the stack's sockets beside the gateway")
     backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise GroupError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+    if backend == "ring" and not all(h.ips for h in hosts):
+        raise GroupError("the ring backend needs each host's \"ips\" in the hostfile (the addresses its ranks listen on)")
     if backend == "mpi":
         raise GroupError("launch-stack does not start MPI jobs: use --backend ring, jaccl or nccl")
     if backend == "jaccl" and not all(h.rdma for h in hosts):

@@ -252,10 +252,20 @@ def test_a_remote_rank_gets_what_mlx_reads_from_its_ssh_command(tmp_path):
     assert rank == "1" and json.loads(hostfile) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
 
 
-@pytest.mark.parametrize("args,says", [(("--ranks", "0"), "--ranks must be at least 1"),
-                                       (("--ranks", "2", "--hostfile", "h.json"), "give one of them"),
-                                       (("--hostfile", "/nonexistent.json"), "cannot read the hostfile")])
-def test_a_group_asked_for_wrongly_fails_the_start_naming_the_flag(args, says):
+NO_IPS = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "mac2"}]
+NOT_FIRST = [{"ssh": "mac2", "ips": ["192.0.2.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]
+
+
+@pytest.mark.parametrize("args,hosts,says", [
+    (("--ranks", "0"), None, "--ranks must be at least 1"),
+    (("--ranks", "2", "--hostfile", "HOSTS"), NO_IPS, "give one of them"),
+    (("--hostfile", "/nonexistent.json"), None, "cannot read the hostfile"),
+    (("--hostfile", "HOSTS", "--backend", "ring"), NO_IPS, "needs each host's \"ips\""),
+    (("--hostfile", "HOSTS"), NOT_FIRST, "the first host of the group, mac2, must be this machine"),
+    (("--hostfile", "HOSTS"), {"backend": "jaccl-ring", "hosts": NO_IPS}, "unknown backend 'jaccl-ring'")])
+def test_a_group_asked_for_wrongly_fails_the_start_naming_why(args, hosts, says, tmp_path):
+    (tmp_path / "hosts.json").write_text(json.dumps(hosts))
+    args = [str(tmp_path / "hosts.json") if a == "HOSTS" else a for a in args]
     r = subprocess.run([LAUNCH_STACK, "--port", "0", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and says in r.stderr, r.stderr
 
