@@ -273,3 +273,15 @@ def test_any_schema_compiles_or_is_refused_by_name(engine, schema, strict, as_to
         return
     mask = engine.grammars.processor(grammar)(mx.array([1, 2, 3]), mx.zeros((1, 384)))
     assert (mask > -mx.inf).any().item()
+
+
+def test_the_draft_proposes_under_the_grammar_too(pair):
+    """A draft identical to the target, masked by the same grammar, proposes what the target picks."""
+    eng = Engine(pair.target, EngineConfig(max_active=1, draft_budget=3), pair.drafts["copy"])
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "tags": {
+        "type": "array", "items": {"enum": ["ab", "cd"]}, "maxItems": 3}}, "required": ["name", "tags"],
+              "additionalProperties": False}
+    o = run(eng, {"a": request("hello world", response_format=json_format(schema), mode="joint")})["a"]
+    jsonschema.validate(json.loads(o["text"]), schema)
+    mt = o["finished"].metrics
+    assert mt.drafted > 10 and mt.accepted == mt.drafted, mt

@@ -146,7 +146,8 @@ def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: lis
         toks = []
         for r, (i, d) in enumerate(zip(rows, ds)):
             dec = decoders[i]
-            tok, q = d.choose(logits[r], positions[i] + j, dec.params, dec.key_fn) if j < ks[r] else (mx.array([0]), None)
+            row = d.guided(contexts[i], chosen[r], logits[r]) if j < ks[r] else None
+            tok, q = d.choose(row, positions[i] + j, dec.params, dec.key_fn) if j < ks[r] else (mx.array([0]), None)
             if j < ks[r]:
                 chosen[r].append(tok)
                 probs[r].append(q)

@@ -74,6 +74,7 @@ class JointDecoder:
             raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
         self.target, self.drafter, self.params = target, drafter, params
         self.processors = sampling.processors if sampling else []
+        drafter.processors = self.processors
         self.top_logprobs = sampling.logprobs if sampling else None
         self.sampling = sampling or RowSampling(params, seed)
         self._seat: Optional[parked.Seat] = None  # parked in the baseline batch
