@@ -3,6 +3,7 @@
 VERITY_FAULT_STEP_DELAY_S  seconds each engine step is slowed by (a slow worker)
 VERITY_FAULT_EXIT_ON_JOB   exit code the worker dies with when a job arrives (a crashing worker)
 VERITY_FAULT_SUBMIT_DELAY_S  seconds each job's submission is slowed by (a long prompt's tokenizing)
+VERITY_FAULT_LONG_SUBMIT_DELAY_S  the same for jobs whose prompts are long (worker/proc.py LONG_PROMPT_BYTES)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 STEP_DELAY_S = float(os.environ.get("VERITY_FAULT_STEP_DELAY_S", "0") or 0)
 EXIT_ON_JOB = int(os.environ.get("VERITY_FAULT_EXIT_ON_JOB", "0") or 0)
 SUBMIT_DELAY_S = float(os.environ.get("VERITY_FAULT_SUBMIT_DELAY_S", "0") or 0)
+LONG_SUBMIT_DELAY_S = float(os.environ.get("VERITY_FAULT_LONG_SUBMIT_DELAY_S", "0") or 0)
 
 
 def after_step() -> None:
@@ -25,6 +27,7 @@ def on_job() -> None:
         os._exit(EXIT_ON_JOB)
 
 
-def before_submit() -> None:
-    if SUBMIT_DELAY_S:
-        time.sleep(SUBMIT_DELAY_S)
+def before_submit(long_prompt: bool = False) -> None:
+    delay = SUBMIT_DELAY_S + (LONG_SUBMIT_DELAY_S if long_prompt else 0.0)
+    if delay:
+        time.sleep(delay)
