@@ -67,6 +67,9 @@ def run_distributed(args: argparse.Namespace) -> int:
     reexec_with_blas()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else default_model(Path(tmp))
+        if not (model / "config.json").is_file():
+            progress(f"--model {args.model}: not an MLX model folder (the bench reads its config.json)")
+            return 2
         hidden, layers = model_shape(model)
         ns = [int(x) for x in args.ns.split(",")]
         sides = {"1 process": (), f"{args.ranks} ranks": ("--ranks", str(args.ranks))}

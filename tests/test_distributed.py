@@ -278,3 +278,10 @@ def test_an_unreachable_host_fails_the_start_naming_it(tmp_path, tiny_llama):
                         "--cache-bytes", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "cannot reach host no-such-host.invalid" in r.stderr
+
+
+def test_the_bench_probe_times_all_sums_on_a_ring_of_two():
+    from bench.distributed import probe
+
+    p = probe(2, 64, 1, 4)
+    assert 0 < p["allsum_s"] < 1 and 0 < p["control_s"] < 1, p
