@@ -220,3 +220,21 @@ async def test_over_long_prompt_floods_do_not_starve_a_normal_client(guarded, re
         whole_run_s=round(total_s, 2),
         beside_3_long_prompts=f"3 normal answers in {beside_s:.2f} s while 3 long prompts took 1 s each to tokenize",
         lost=0, hung=0, leaked="none")
+
+
+def test_failed_accepts_log_one_line_per_interval(caplog):
+    """Out of descriptors, asyncio reports every failed accept: one line per ACCEPT_LOG_EVERY_S."""
+    from gateway.connections import AcceptErrors
+
+    loop = asyncio.new_event_loop()
+    try:
+        handler = AcceptErrors()
+        with caplog.at_level("ERROR", logger="verity.gateway"):
+            for _ in range(5000):
+                handler(loop, {"message": "socket.accept() out of system resource",
+                               "exception": OSError(24, "Too many open files")})
+    finally:
+        loop.close()
+    lines = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+    assert len(lines) == 1 and handler.count == 5000
+    assert sum(len(r.getMessage()) for r in caplog.records) < 500
