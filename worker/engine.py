@@ -318,7 +318,7 @@ class Engine:
             self._active.append(r)
             events.append(m.Started(r.id, len(r.prompt)))
             if r.req.echo:  # completions: the prompt's text first
-                events.append(m.TextDelta(r.id, r.detok._decode(r.prompt), []))
+                events.append(m.TextDelta(r.id, r.detok.text_of(r.prompt), []))
 
     def _decoder(self, r: _Request) -> "BaselineRow | JointDecoder":
         """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.

@@ -114,6 +114,10 @@ class StreamingDetokenizer:
         self.ids = list(prompt[-self.CONTEXT :])
         self.prefix, self.read = 0, len(self.ids)
 
+    def text_of(self, ids: list[int]) -> str:
+        """Token ids as text, decoded whole (echo's prompt)."""
+        return self._decode(ids)
+
     def add(self, token: int) -> str:
         self.ids.append(token)
         return self._emit(final=False)
