@@ -145,13 +145,12 @@ def draft_batch(drafters: list[Drafter], contexts: list[list[int]], budgets: lis
         steps.append([tuple(c.cache) if isinstance(c, st.RecordingArraysCache) else None for c in batch])
         toks = []
         for r, (i, d) in enumerate(zip(rows, ds)):
-            dec = decoders[i]
-            row = d.guided(contexts[i], chosen[r], logits[r]) if j < ks[r] else None
-            tok, q = d.choose(row, positions[i] + j, dec.params, dec.key_fn) if j < ks[r] else (mx.array([0]), None)
-            if j < ks[r]:
+            if j < ks[r]:  # under the request's processors (its grammar), as the target's verify
+                dec, guided = decoders[i], d.guided(contexts[i], chosen[r], logits[r])
+                tok, q = d.choose(guided, positions[i] + j, dec.params, dec.key_fn)
                 chosen[r].append(tok)
                 probs[r].append(q)
-            toks.append(tok)
+            toks.append(tok if j < ks[r] else mx.array([0]))
         x = mx.concatenate(toks)[:, None]
     _set_lengths(batch, None)
     for r, (i, d) in enumerate(zip(rows, ds)):
