@@ -82,15 +82,17 @@ def test_greedy_output_is_exact_as_joint_rows_move_in_and_out_of_the_batch(pair)
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 
-def test_a_parked_row_that_is_sampled_draws_from_its_own_key(pair):
-    """A seeded joint request with a fixed plan (plain, so parked) samples the same in any batch."""
+def test_a_seeded_joint_request_samples_the_same_parked_or_not(pair):
+    """Alone a joint request's plain cycles are its own; beside others it parks: same tokens."""
     seeded = joint("once upon a time", 16, temperature=0.9, top_p=0.95, seed=77)
     others = [(f"o{i}", chat(p, 20, temperature=1.0)) for i, p in enumerate(PROMPTS[:3])]
 
     def run(arrivals):
         return drive(Engine(pair.target, EngineConfig(max_active=6, draft_budget=0), pair.drafts["copy"]), arrivals)["s"]
 
-    assert run({0: [("s", seeded), others[0]]}) == run({0: others[:2] + [("s", seeded)], 1: others[2:]})
+    alone = run({0: [("s", seeded)]})
+    assert alone == run({0: others[:2] + [("s", seeded)], 1: others[2:]})
+    assert alone != run({0: [("s", msgspec.structs.replace(seeded, seed=78))]})
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ class JointDecoder:
             self._switched = (self.take_ahead(), self._taken_chosen)
             self._taken_chosen = []
         self._stop_recording()
-        self._seat = parked.Seat(batch, parked.batch_sampling(self.sampling))
+        self._seat = parked.Seat(batch, parked.batch_sampling(self.sampling, self.key_fn))
         self._seat.uid = batch.join_at(self._seat, self.tokens, self.cache)
         self.cache = None
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from worker.baseline import BaselineBatch
 from worker.round import Row, ScheduledRound
+from worker.joint.sampling import token_probs
 from worker.sampling import RowSampling
 from worker.state.checkpoint import RecordingArraysCache
 
 PARK_AFTER = 2  # plans running that draft nothing for a row that drafted before it parks (a probe does not move it)
-SEED_APART = 0x5DEECE66D  # a seeded row's batch sampler draws from a key stream apart from its joint cycles'
 
 
 @dataclass
@@ -38,9 +39,16 @@ class Seat:
         return got
 
 
-def batch_sampling(sampling: RowSampling) -> RowSampling:
-    """The row's sampling in the batch: its processors and log-probabilities, a key of its own."""
-    return replace(sampling, seed=None if sampling.seed is None else sampling.seed ^ SEED_APART)
+def batch_sampling(sampling: RowSampling, key_fn: Callable[[], mx.array]) -> RowSampling:
+    """The row's sampling in the batch: its processors and log-probabilities, and a sampler
+    drawing as its plain cycles do (the distribution of token_probs, one key of the joint
+    cycles' stream a token), so a seeded row samples the same parked or not."""
+    out = replace(sampling)
+    params = sampling.params
+    if not params.greedy:
+        # one row's [V], as a plain cycle draws it: categorical draws otherwise from a [1, V] with one key
+        out.sampler = lambda logprobs: mx.random.categorical(mx.log(token_probs(logprobs[0], params)), key=key_fn())[None]
+    return out
 
 
 def recording(cache: list) -> list:
