@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="bytes the admitted requests' caches may take at most, e.g. 8G (default: the GPU's memory, "
                         "or half the machine's on the CPU, less the weights)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; past that, 429")
+    p.add_argument("--prefill-step", type=int, default=None,
+                   help="prompt tokens a joining request prefills a round, between the others' decode steps "
+                        "(default: 512 on a GPU, 128 on the CPU)")
     p.add_argument("--api-key", default=None,
                    help="require this bearer token (visible to local users: prefer VERITY_API_KEY or --api-key-file)")
     p.add_argument("--api-key-file", default=None, help="read the bearer token from this file (mode 0600)")
@@ -184,6 +187,7 @@ class Supervisor:
         worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
                                   "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
                                   *(["--kv-budget", str(a.kv_budget)] if a.kv_budget else []),
+                                  *(["--prefill-step", str(a.prefill_step)] if a.prefill_step else []),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
                                   *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
                                   *sampling_flags(a),

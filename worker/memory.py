@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+PREFILL_STEP = {"gpu": 512, "cpu": 128}  # prompt tokens a round: a CPU takes ~1 s for 128 (docs/benchmarks.md, "bench batch")
 CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
 
 
@@ -44,6 +45,11 @@ def cache_cost(model) -> CacheCost:
 
 def weights_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def default_prefill_step() -> int:
+    """A joining request's prompt tokens a round: short on the CPU, where they hold the others' step."""
+    return PREFILL_STEP["gpu" if mx.default_device() == mx.gpu else "cpu"]
 
 
 def default_budget(weights: int) -> int:

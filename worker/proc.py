@@ -28,7 +28,7 @@ import zmq
 
 from protocol import codec, messages as m, runtime
 from protocol.schema import message_text
-from worker import faults
+from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
@@ -250,6 +250,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--max-active", type=int, default=16)
     p.add_argument("--kv-budget", type=int, default=None)
+    p.add_argument("--prefill-step", type=int, default=None)
     p.add_argument("--queue-size", type=int, default=64)
     p.add_argument("--draft", default=None)
     p.add_argument("--draft-budget", type=int, default=None)
@@ -279,6 +280,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
                           decision_log=args.decision_log, kv_budget=args.kv_budget,
+                          prefill_step=args.prefill_step or memory.default_prefill_step(),
                           defaults=sampling_defaults(args))
     engine = Engine(lm, config, draft)
     engine.warmup()

@@ -19,6 +19,7 @@ from protocol import messages as m, runtime
 from worker.distributed.link import GroupBroken, Link, Watchdog
 from worker.distributed.lockstep import FollowerEngine, LeaderEngine
 from worker.distributed.shard import ShardError, shard_model
+from worker import memory
 from worker.cache_client import CacheClient
 from worker.distributed.reuse import FollowerClient, LeaderClient
 from worker.engine import EngineConfig, cache_identity
@@ -82,7 +83,8 @@ def run_rank(argv: list[str]) -> int:
     link = Link(group)
     config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
-                          decision_log=args.decision_log if rank == 0 else None, kv_budget=args.kv_budget)
+                          decision_log=args.decision_log if rank == 0 else None, kv_budget=args.kv_budget,
+                          prefill_step=args.prefill_step or memory.default_prefill_step())
     engine = (LeaderEngine if rank == 0 else FollowerEngine)(lm, config, draft, link)
     ranks = gather(group, RankInfo(rank, os.getpid(), socket.gethostname(), engine.kv_budget))
     engine.kv_budget = min(r.kv_budget for r in ranks)  # admission must be the same on every rank
