@@ -155,7 +155,7 @@ async def stream(resp: web.StreamResponse, rows: list[Row], firsts: list, includ
         while done < len(rows):
             row, ev = await merged.next()
             if isinstance(ev, m.TextDelta) and (ev.text or ev.logprobs):
-                await _sse(resp, row.shaper.chunk(text=ev.text, logprobs=ev.logprobs))
+                await _sse(resp, row.shaper.chunk(text=ev.text, logprobs=ev.logprobs, drafted=ev.drafted))
             elif isinstance(ev, m.Finished):
                 row.finished, done = ev, done + 1
                 await _sse(resp, row.shaper.chunk(finished=ev))

@@ -66,7 +66,8 @@ class Shaper:
                 "metrics": metrics_dict(finished.metrics)}
 
     def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None,
-              logprobs: Optional[list[m.TokenLogprob]] = None) -> dict:
+              logprobs: Optional[list[m.TokenLogprob]] = None, drafted: Optional[list[bool]] = None) -> dict:
+        """`drafted`: a joint request's tokens' origins, as the `verity` extension (TokenOrigin)."""
         choice: dict = {"index": self.index, "finish_reason": finish_reason(finished.finish_reason) if finished else None}
         if self.logprobs and (logprobs or not self.chat):
             choice["logprobs"] = self._logprobs(logprobs or [], self._offset)
@@ -85,6 +86,8 @@ class Shaper:
         out = {**self._base(self.object + ".chunk" if self.chat else self.object), "choices": [choice]}
         if finished is not None:
             out["metrics"] = metrics_dict(finished.metrics)
+        if drafted:
+            out["verity"] = {"drafted": drafted}
         return out
 
     def _calls_delta(self, delta: dict, text: str, last: bool) -> None:

@@ -136,6 +136,14 @@ class ChatChunkChoice(Struct):
     logprobs: Optional[ChatLogprobs] = None
 
 
+class TokenOrigin(Struct):
+    """verity's extension of a joint request's stream chunks (OpenAI clients ignore it): one entry
+    per token of the chunk, true where the draft proposed it and the target accepted it, false
+    where the target chose it (a correction, or a cycle that drafted nothing)."""
+
+    drafted: list[bool]
+
+
 class ChatCompletionChunk(Struct, omit_defaults=True):
     """One `data:` event of a chat stream; the last one before `[DONE]` carries `usage` when
     `stream_options.include_usage` is set (with empty `choices`)."""
@@ -147,6 +155,7 @@ class ChatCompletionChunk(Struct, omit_defaults=True):
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
     metrics: Optional[m.RequestMetrics] = None
+    verity: Optional[TokenOrigin] = None
 
 
 class CompletionChunkChoice(Struct):
@@ -164,6 +173,7 @@ class CompletionChunk(Struct, omit_defaults=True):
     choices: list[CompletionChunkChoice]
     usage: Optional[Usage] = None
     metrics: Optional[m.RequestMetrics] = None
+    verity: Optional[TokenOrigin] = None
 
 
 class ModelCard(Struct):

@@ -271,6 +271,7 @@ class TextDelta(Struct, tag=True):
     text: str
     token_ids: list[int]
     logprobs: Optional[list[TokenLogprob]] = None  # one per token id, when the request asked
+    drafted: Optional[list[bool]] = None  # joint: one per token id, True where the draft proposed it and the target accepted
 
 
 class Finished(Struct, tag=True):

@@ -141,6 +141,15 @@ def test_chat_streams_a_joint_answer_with_its_metrics(stack, page):
     assert accepted and int(accepted.group(2)) > 0, chips
     assert re.fullmatch(r"drafted per step \d\.\d\d tokens", chips["budget"]) and chips["reused"] == "cache reused 0 tokens"
     assert re.fullmatch(r"tokens \d+ in, \d+ out", chips["tokens"]) and chips["finish"].startswith("joint")
+    # each token's origin (the stream's `verity` extension), shown on request
+    turn = stored(page)[0]["turns"][0]
+    assert "".join(text for text, _ in turn["origins"]) == turn["assistant"]
+    page.check("#show-drafts")
+    spans = page.locator(".turn:first-child .bubble.assistant.origins span")
+    assert "".join(spans.all_text_contents()) == turn["assistant"]
+    assert page.locator(".turn:first-child .from-draft").count() == sum(d for _, d in turn["origins"]) <= int(accepted.group(1))
+    page.uncheck("#show-drafts")
+    assert page.locator(".turn:first-child .bubble.assistant.origins").count() == 0
     # a second question carries the conversation, as stored
     page.select_option("#mode", "baseline")
     sent = ask(page, "and then?")

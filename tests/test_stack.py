@@ -290,6 +290,9 @@ async def test_joint_over_http_equals_baseline(tiny_llama, tmp_path):
             events = await stream_events(s.url, {**body, "mode": "joint"})
             final = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][0]
             assert final["metrics"]["drafted"] == jm["drafted"]
+            # the `verity` extension: every token's origin, the accepted drafts true
+            origins = [d for e in events[:-1] for d in e.get("verity", {}).get("drafted", [])]
+            assert len(origins) == 24 and sum(origins) == jm["accepted"]
     assert s.exit_code == 0
 
 

@@ -75,6 +75,7 @@ class _Request:
     grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
     chosen: list[Chosen] = field(default_factory=list)  # log-probabilities of the tokens being emitted
+    drafted: list[bool] = field(default_factory=list)  # joint: which of them the draft proposed
 
 
 class _Totals:
@@ -236,6 +237,7 @@ class Engine:
         def emit(row: Row, tokens: list[int]) -> int:
             r, kept = by_id[row.request_id], 0
             r.chosen = list(getattr(r.decoder, "chosen", []))
+            r.drafted = list(getattr(r.decoder, "drafted", []))
             for token in tokens:
                 kept += 1
                 if self._on_token(r, token, events):
@@ -356,8 +358,9 @@ class Engine:
             return self._finish(r, "stop", events)
         text, stopped = r.stop.feed(r.detok.add(token))
         lp = [self._token_logprob(r.chosen.pop(0))] if r.chosen else None
+        drafted = [r.drafted.pop(0) if r.drafted else False] if r.req.mode == "joint" else None
         if text or not stopped:
-            events.append(m.TextDelta(r.id, text, [token], lp))
+            events.append(m.TextDelta(r.id, text, [token], lp, drafted))
         if stopped:
             return self._finish(r, "stop", events, flush=False)
         if len(r.tokens) >= r.req.max_tokens or len(r.prompt) + len(r.tokens) >= self.lm.context_limit:

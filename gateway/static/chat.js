@@ -11,6 +11,17 @@ import { readSettings, showSettings } from "./settings.js";
 let controller = null; // the AbortController of the answer being streamed
 let serverDown = null; // why Send is disabled, or null
 let following = true; // the view follows the stream only while the user is at the bottom
+const ORIGINS = "verity.showDrafts";
+const showOrigins = () => localStorage.getItem(ORIGINS) === "1";
+
+// The answer as text spans by origin (the stream's `verity.drafted`), or as markdown.
+function paintAnswer(answer, turn, options) {
+  const origins = showOrigins() && turn.origins;
+  answer.classList.toggle("origins", Boolean(origins));
+  if (!origins) return renderMarkdown(answer, turn.assistant, options);
+  answer.replaceChildren(...turn.origins.map(([text, drafted]) =>
+    el("span", { className: drafted ? "from-draft" : "from-target", textContent: text })));
+}
 
 const conv = () => store.active();
 export const isBusy = () => controller !== null;
@@ -82,7 +93,7 @@ function renderTurn(turn, i) {
   const li = el("li", { className: "turn" }, ...userBlock(turn, i));
   li.classList.toggle("failed", Boolean(turn.error));
   const answer = el("div", { className: "bubble assistant" });
-  if (turn.assistant) renderMarkdown(answer, turn.assistant);
+  if (turn.assistant) paintAnswer(answer, turn);
   else answer.hidden = true; // no empty (ghost) bubble
   li.append(answer, footer(turn, i));
   return li;
@@ -115,7 +126,7 @@ function streamingView(turn) {
       if (!turn.assistant) return;
       waiting.remove();
       answer.hidden = false;
-      renderMarkdown(answer, turn.assistant, { highlight: false });
+      paintAnswer(answer, turn, { highlight: false });
       scrollToEnd();
     });
   };
@@ -131,7 +142,9 @@ async function stream(turn, body) {
   for await (const chunk of sseData(response)) {
     if (chunk.error) throw ApiError.fromBody(chunk, 200);
     for (const choice of chunk.choices || []) {
-      turn.assistant += choice.delta?.content || "";
+      const text = choice.delta?.content || "";
+      turn.assistant += text;
+      if (chunk.verity && text) (turn.origins ||= []).push([text, chunk.verity.drafted.every(Boolean)]);
       if (choice.finish_reason) turn.finish = choice.finish_reason;
     }
     if (chunk.metrics) turn.metrics = chunk.metrics;
@@ -253,6 +266,11 @@ export function initChat() {
   });
   $("prompt").addEventListener("input", growComposer);
   $("stop").addEventListener("click", stop);
+  $("show-drafts").checked = showOrigins();
+  $("show-drafts").addEventListener("change", (e) => {
+    localStorage.setItem(ORIGINS, e.target.checked ? "1" : "0");
+    renderAll();
+  });
   document.addEventListener("keydown", (e) => {
     if (e.key === "Escape" && isBusy()) stop();
   });

@@ -80,6 +80,7 @@ class JointDecoder:
         self._seat: Optional[parked.Seat] = None  # parked in the baseline batch
         self._switched: Optional[tuple] = None  # a park's or unpark's token and its log-probs, for the next advance
         self.chosen: list[Chosen] = []  # log-probabilities of the last advance's tokens, when asked
+        self.drafted: list[bool] = []  # of the last cycle's tokens, those the draft proposed (accepted)
         self.recovery, self.prefill_step = recovery, prefill_step
         self.cache = st.make_cache(target) if cache is None else cache
         self.cached = cached
@@ -114,6 +115,7 @@ class JointDecoder:
     def advance(self, k: int, last: bool = False) -> list[int]:
         """The first call starts (prefills); each later one is a cycle drafting k."""
         self._nothing_held = not self.started or self._switched is not None or self._seat is not None
+        self.drafted = []
         if not self.started:
             return [self.start(self.pipelined_start)]
         if self._nothing_held:
@@ -221,7 +223,9 @@ class JointDecoder:
         mx.async_eval(logits if choices is None else choices)
         drafted = proposed.tolist()
         self.drafter.consumed_through(self.tokens, drafted)
-        return taken + self.accept(drafted, qs, logits, ck, t1 - t0, t1, choices, timed)
+        emitted = self.accept(drafted, qs, logits, ck, t1 - t0, t1, choices, timed)
+        self.drafted = [False] * len(taken) + self.drafted
+        return taken + emitted
 
     def close(self) -> None:
         if self._seat is not None:
@@ -386,6 +390,7 @@ class JointDecoder:
         n, own = self.decide(drafted, qs, logits, choices)
         k = len(drafted)
         emitted = drafted[:n] + [own]
+        self.drafted = [True] * n + [False]
         taken, self._taken_chosen = self._taken_chosen, []
         if self.top_logprobs is not None:
             lp = log_softmax(logits[: n + 1])
