@@ -60,3 +60,12 @@ class Stack(StackProcess):
         code, h = self.health()
         w = h.get("worker") or {}
         return code == 200 and h.get("admitted") == 0 and w.get("active") == 0 and w.get("queue_depth") == 0
+
+
+async def read_data_lines(resp, n: int) -> None:
+    """Reads an SSE response until n `data:` lines have come."""
+    seen = 0
+    async for line in resp.content:
+        seen += line.startswith(b"data: ")
+        if seen >= n:
+            return

@@ -18,7 +18,7 @@ import aiohttp
 import mlx.core as mx
 import pytest
 
-from stack import LAUNCH_STACK, Stack, until, wait_until
+from stack import LAUNCH_STACK, Stack, read_data_lines, until, wait_until
 from bench.tiny_models import build_tiny_model, tiny_model_dir
 from protocol import messages as m
 from worker.engine import Engine, EngineConfig, cache_identity
@@ -71,14 +71,6 @@ async def post(url: str, body: dict) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/v1/chat/completions", json=body) as r:
             return r.status, await r.json()
-
-
-async def read_data_lines(resp, n: int) -> None:
-    seen = 0
-    async for line in resp.content:
-        seen += line.startswith(b"data: ")
-        if seen >= n:
-            return
 
 
 def rank_pids(stack: Stack) -> dict[int, int]:

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from stack import LAUNCH_STACK, Stack, until
+from stack import LAUNCH_STACK, Stack, read_data_lines, until
 from bench.tiny_models import build_tiny_model
 
 KEY = "test-key-123"
@@ -50,14 +50,6 @@ async def stream_events(url, body, path="/v1/chat/completions") -> list:
                     data = line[6:]
                     events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-async def read_data_lines(resp, n: int) -> None:
-    seen = 0
-    async for line in resp.content:
-        seen += line.startswith(b"data: ")
-        if seen >= n:
-            return
 
 
 async def test_chat_whole_response(stack):

@@ -16,6 +16,7 @@ from gateway.tools import ToolCallStream, split_whole
 from joint_fixtures import load_pair
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request
+from test_engine import run
 from worker.engine import Engine, EngineConfig, RequestError
 
 EXAMPLES = 40 if FULL else 4
@@ -35,21 +36,6 @@ def engine(pair):
 def request(text: str, **kw) -> m.GenerateRequest:
     body = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": MAX_TOKENS, **kw}
     return parse_request(msgspec.json.encode(body), "chat")
-
-
-def run(engine: Engine, reqs: dict[str, m.GenerateRequest]) -> dict[str, dict]:
-    out = {k: {"text": "", "tokens": [], "finished": None} for k in reqs}
-    for k, r in reqs.items():
-        engine.submit(k, r)
-    while engine.has_work():
-        for ev in engine.step():
-            o = out[ev.request_id]
-            if isinstance(ev, m.TextDelta):
-                o["text"] += ev.text
-                o["tokens"] += ev.token_ids
-            elif isinstance(ev, (m.Finished, m.Error)):
-                o["finished"] = ev
-    return out
 
 
 def json_format(schema: dict) -> dict:
