@@ -21,7 +21,6 @@ within each repeat.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-import msgspec
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
