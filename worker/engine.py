@@ -58,7 +58,9 @@ class RequestError(Exception):
 
 
 @dataclass
-class _Request:
+class QueuedRequest:
+    """A request the engine holds, from its submit to its release."""
+
     id: str
     req: m.GenerateRequest
     prompt: list[int]
@@ -110,9 +112,9 @@ class Engine:
         self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
         self.eos_ids = set(lm.tokenizer.eos_token_ids)
         self._lock = threading.Condition()
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[QueuedRequest] = deque()
         self._cancels: set[str] = set()
-        self._active: list[_Request] = []
+        self._active: list[QueuedRequest] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
         self.baseline = BaselineBatch(lm.model, config.prefill_step, config.max_active)
@@ -159,10 +161,10 @@ class Engine:
                 f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
-        self._enqueue(_Request(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
+        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
         return len(prompt)
 
-    def _enqueue(self, r: _Request) -> None:
+    def _enqueue(self, r: QueuedRequest) -> None:
         """Queues a checked request (a distributed group's rank 0 stages it for every rank)."""
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
@@ -259,7 +261,7 @@ class Engine:
         self.baseline.step()
         return [row.advance(0, False) for row in rows]
 
-    def _tokens_left(self, r: _Request) -> int:
+    def _tokens_left(self, r: QueuedRequest) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
 
     def _apply_cancels(self, events: list) -> None:
@@ -322,7 +324,7 @@ class Engine:
             if r.req.echo:  # completions: the prompt's text first
                 events.append(m.TextDelta(r.id, r.detok.text_of(r.prompt), []))
 
-    def _decoder(self, r: _Request) -> "BaselineRow | JointDecoder":
+    def _decoder(self, r: QueuedRequest) -> "BaselineRow | JointDecoder":
         """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.
         A joint request prefills on to its boundaries now; a baseline one in the batch's chunks,
         its boundary snapshots kept as the chunks reach them."""
@@ -345,7 +347,7 @@ class Engine:
                            reuse.boundaries(r.plan, s.pos, len(r.prompt)),
                            lambda b, cache: reuse.keep_boundary(r.plan, r.prompt[:b], cache), sampling=sampling)
 
-    def _on_token(self, r: _Request, token: int, events: list) -> bool:
+    def _on_token(self, r: QueuedRequest, token: int, events: list) -> bool:
         """Handles one emitted token; True when it ended the request."""
         now = time.perf_counter()
         if not r.tokens:
@@ -374,7 +376,7 @@ class Engine:
         top = [m.TopLogprob(text(t), lp, list(text(t).encode())) for t, lp in c.top]
         return m.TokenLogprob(text(c.token), c.logprob, list(text(c.token).encode()), top)
 
-    def _finish(self, r: _Request, reason: str, events: list, flush: bool = True) -> bool:
+    def _finish(self, r: QueuedRequest, reason: str, events: list, flush: bool = True) -> bool:
         """Emits the end of a request; the caller releases it after recovering its state."""
         if flush and r.detok is not None:
             text, stopped = r.stop.feed(r.detok.flush())
@@ -386,11 +388,11 @@ class Engine:
         events.append(r.finished)
         return True
 
-    def _fail(self, r: _Request, exc: Exception, events: list) -> None:
+    def _fail(self, r: QueuedRequest, exc: Exception, events: list) -> None:
         self._release(r)
         events.append(m.Error(r.id, "generation_failed", f"generation failed: {type(exc).__name__}: {exc}", 500))
 
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: QueuedRequest) -> None:
         self.scheduler.forget(r.id)
         if self.parking:
             self.parking.forget(r.id)
@@ -407,7 +409,7 @@ class Engine:
             r.decoder = None
         self.totals.finished += 1
 
-    def _metrics(self, r: _Request) -> m.RequestMetrics:
+    def _metrics(self, r: QueuedRequest) -> m.RequestMetrics:
         n = len(r.tokens)
         span = r.last_token_at - r.first_token_at
         out = m.RequestMetrics(

@@ -15,7 +15,7 @@ import msgspec
 
 from protocol import messages as m
 from worker.distributed.link import Diverged, GroupBroken, Link, RoundBudgets, StepInput, Submitted, broken_group, digest
-from worker.engine import Engine, EngineConfig, RequestError, _Request
+from worker.engine import Engine, EngineConfig, RequestError, QueuedRequest
 from worker.loader import LoadedModel
 from worker.round import RoundInput, RoundPlan
 
@@ -68,7 +68,7 @@ class FollowerPlanner:
 class GroupEngine(Engine):
     """What every rank's engine does alike."""
 
-    def _fail(self, r: _Request, exc: Exception, events: list) -> None:
+    def _fail(self, r: QueuedRequest, exc: Exception, events: list) -> None:
         """A collective that failed mid-round takes the group down (launch-stack restarts it; the
         gateway ends the started requests as at a worker's death), not just the request."""
         if broken_group(exc):
@@ -83,7 +83,7 @@ class LeaderEngine(GroupEngine):
         super().__init__(lm, config, draft)
         self.link = link
         self.scheduler = LeaderPlanner(self.scheduler, link)
-        self._staged: list[_Request] = []
+        self._staged: list[QueuedRequest] = []
         self._staged_cancels: set[str] = set()
         self._digest = 0
         self.ranks: list[m.RankStatus] = []  # every rank's, for the stats
@@ -93,7 +93,7 @@ class LeaderEngine(GroupEngine):
         snapshot.ranks = self.ranks
         return snapshot
 
-    def _enqueue(self, r: _Request) -> None:
+    def _enqueue(self, r: QueuedRequest) -> None:
         if r.req.seed is None:  # every rank samples the request with the same keys
             r.req = msgspec.structs.replace(r.req, seed=secrets.randbits(63))
         with self._lock:
@@ -169,7 +169,7 @@ class FollowerEngine(GroupEngine):
             self._cancels.update(msg.cancels)
         self.scheduler.drafting = msg.drafting
 
-    def _enqueue(self, r: _Request) -> None:
+    def _enqueue(self, r: QueuedRequest) -> None:
         with self._lock:  # rank 0 checked the room
             self._waiting.append(r)
             self.totals.requests += 1
