@@ -245,7 +245,7 @@ async def test_stalled_write_is_cut_at_the_time_limit(tmp_path, caplog, reliabil
         t.events.put_nowait(m.Started(t.id, 3))
         while not cancels:
             t.events.put_nowait(m.TextDelta(t.id, "x" * 65536, [1]))
-            await asyncio.sleep(0.001)
+            await until(lambda: cancels or t.events.qsize() < 4, 10, "the gateway to take the events")
         gw.link._end(t, m.Finished(t.id, "cancelled", m.RequestMetrics()))
 
     sock = _stalled_reader(f"http://127.0.0.1:{port}", chat_body(stream=True, max_tokens=100))

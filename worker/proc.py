@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import zmq
 
@@ -47,12 +47,13 @@ LONG_PROMPT_BYTES = 16 << 10  # ~15 ms of tokenizing (SmolLM2's tokenizer: 600 K
 class EarlyCancels:
     """Cancels for request ids whose job has not arrived: bounded in number and in age."""
 
-    def __init__(self, limit: int = EARLY_CANCELS, expiry_s: float = EARLY_CANCEL_S):
-        self.limit, self.expiry_s = limit, expiry_s
+    def __init__(self, limit: int = EARLY_CANCELS, expiry_s: float = EARLY_CANCEL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.limit, self.expiry_s, self.clock = limit, expiry_s, clock
         self._at: OrderedDict[str, float] = OrderedDict()
 
     def remember(self, request_id: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._at[request_id] = now
         self._at.move_to_end(request_id)
         while self._at and (len(self._at) > self.limit or now - next(iter(self._at.values())) > self.expiry_s):
@@ -60,7 +61,7 @@ class EarlyCancels:
 
     def take(self, request_id: str) -> bool:
         at = self._at.pop(request_id, None)
-        return at is not None and time.monotonic() - at <= self.expiry_s
+        return at is not None and self.clock() - at <= self.expiry_s
 
     def __len__(self) -> int:
         return len(self._at)
