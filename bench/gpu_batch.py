@@ -70,9 +70,9 @@ def verity_round(target, prompts: list[list[int]], n_tokens: int, draft=None, re
     from bench.drafters import ForcedDecoder, ForcedDrafter
     from worker.baseline import BaselineBatch, BaselineRow
     from worker.joint.batch import joint_round
-    from worker.joint.parked import Parking
+    from worker.joint.parked import Parking, round_groups
     from worker.joint.sampling import SamplingParams
-    from worker.round import Group, Row, SetApart, plan_round, run_round
+    from worker.round import Row, plan_round, run_round
     from worker.scheduler import Scheduler
 
     batch = BaselineBatch(target, 2048, len(prompts))
@@ -94,21 +94,13 @@ def verity_round(target, prompts: list[list[int]], n_tokens: int, draft=None, re
     def fail(row: Row, e: Exception) -> None:
         raise e
 
-    def baseline_cycles(rows, budgets):
-        batch.step()
-        return [r.advance(0, False) for r in rows]
-
     active, t0, counted = dict(decoders), None, 0
     with mx.stream(generation_stream):
         while active:
             rows = [Row(rid, d, n_tokens - len(out[rid])) for rid, d in active.items()]
             sr = plan_round(rows, sched, True)
-            if parking.apply(sr, fail):
-                sr.reason = sr.reason or SetApart.BATCH_SWITCH
-            in_batch = [rid for rid, d in active.items() if isinstance(d, BaselineRow) or d.parked]
-            own = [s.request_id for s in sr.states if not active[s.request_id].in_batch]
-            groups = [Group(in_batch, baseline_cycles)] + ([Group(own, joint_round)] if sr.batched and own else [])
-            sched.observe(run_round(sr, emit, fail, groups))
+            parking.apply(sr, fail)
+            sched.observe(run_round(sr, emit, fail, round_groups(sr, batch, joint_round)))
             if t0 is None and all(out.values()):
                 t0, counted = time.perf_counter(), sum(map(len, out.values()))
             for rid in [rid for rid in active if len(out[rid]) >= n_tokens]:

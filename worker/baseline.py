@@ -84,6 +84,12 @@ class BaselineBatch:
         cache = self.gen.remove([uid], return_prompt_caches=True)[uid][0]
         return cache, token, logprobs
 
+    def cycles(self, rows: list, budgets: list[int]) -> list[list[int]]:
+        """The round's step for its rows (a Group's run): a token for each in generation, a prefill
+        chunk of each joining."""
+        self.step()
+        return [row.advance(0, False) for row in rows]
+
     def cache_of(self, uid: int) -> list:
         return self.gen.extract_cache([uid])[uid][0]
 

@@ -25,8 +25,8 @@ from worker.joint.batch import joint_round
 from worker.joint.decoder import CycleStats, JointDecoder
 from worker.joint.draft import Drafter
 from worker.loader import LoadedModel
-from worker.joint.parked import Parking
-from worker.round import Group, Row, SetApart, plan_round, run_round
+from worker.joint.parked import Parking, round_groups
+from worker.round import Row, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start
 from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
@@ -229,8 +229,8 @@ class Engine:
         by_id = {r.id: r for r in self._active}
         rows = [Row(r.id, r.decoder, self._tokens_left(r)) for r in self._active]
         sr = plan_round(rows, self.scheduler, self.config.batch_verify)
-        if self.parking and self.parking.apply(sr, lambda row, e: self._fail(by_id[row.request_id], e, events)):
-            sr.reason = sr.reason or SetApart.BATCH_SWITCH
+        if self.parking:
+            self.parking.apply(sr, lambda row, e: self._fail(by_id[row.request_id], e, events))
         lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
         joint_starts = [r for r in self._active if r.req.mode == "joint" and not r.decoder.started]
         blas_threads.use(self._params * (self.baseline.prefill_next() + sum(len(r.prompt) for r in joint_starts))
@@ -246,20 +246,12 @@ class Engine:
                     break
             return kept
 
-        batch = Group([r.id for r in self._active if r.req.mode != "joint" or r.decoder.parked], self._baseline_cycles)
-        own = [s.request_id for s in sr.states if not by_id[s.request_id].decoder.in_batch]  # cycles of their own
         report = run_round(sr, emit, lambda row, e: self._fail(by_id[row.request_id], e, events),
-                           [batch] + ([Group(own, joint_round)] if sr.batched and own else []))
+                           round_groups(sr, self.baseline, joint_round))
         for r in [r for r in self._active if r.done]:
             r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
             self._release(r)
         self.scheduler.observe(report)
-
-    def _baseline_cycles(self, rows: list[BaselineRow], budgets: list[int]) -> list[list[int]]:
-        """One step of the baseline batch: a token for each row in generation, a prefill chunk
-        of each joining."""
-        self.baseline.step()
-        return [row.advance(0, False) for row in rows]
 
     def _tokens_left(self, r: QueuedRequest) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))

@@ -10,8 +10,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from worker.baseline import BaselineBatch
-from worker.round import Row, ScheduledRound
+from worker.baseline import BaselineBatch, BaselineRow
+from worker.round import BatchFn, Group, Row, ScheduledRound, SetApart
 from worker.joint.sampling import token_probs
 from worker.sampling import RowSampling
 from worker.state.checkpoint import RecordingArraysCache
@@ -72,9 +72,9 @@ class Parking:
     batch: BaselineBatch
     plain_plans: dict[str, int] = field(default_factory=dict)  # by request: plans running that drafted nothing
 
-    def apply(self, sr: ScheduledRound, fail: Callable[[Row, Exception], None]) -> bool:
-        """Parks and unparks by the round's plan, before it runs; True when a row moved (the round
-        is then no sample of its cell). A row that fails to move ends alone and leaves the round."""
+    def apply(self, sr: ScheduledRound, fail: Callable[[Row, Exception], None]) -> None:
+        """Parks and unparks by the round's plan, before it runs; a round in which a row moved is
+        no sample of its cell. A row that fails to move ends alone and leaves the round."""
         moved, failed = False, set()
         drafted = {s.request_id: s.has_drafted for s in sr.states}
         for row in [r for r in sr.rows if r.request_id in drafted]:
@@ -93,7 +93,18 @@ class Parking:
                 fail(row, e)
         sr.rows = [r for r in sr.rows if r.request_id not in failed]
         sr.states = [s for s in sr.states if s.request_id not in failed]
-        return moved
+        if moved:
+            sr.reason = sr.reason or SetApart.BATCH_SWITCH
 
     def forget(self, request_id: str) -> None:
         self.plain_plans.pop(request_id, None)
+
+
+def round_groups(sr: ScheduledRound, batch: BaselineBatch, joint_run: BatchFn) -> list[Group]:
+    """The round's groups: the batch's rows (baseline and parked joint) in its one step, and the
+    joint rows that cycle on their own in batched forwards, where the round batches them."""
+    joint = {s.request_id for s in sr.states}
+    in_batch = [r.request_id for r in sr.rows
+                if isinstance(r.decoder, BaselineRow) or (r.request_id in joint and r.decoder.parked)]
+    own = [r.request_id for r in sr.rows if r.request_id in joint and not r.decoder.in_batch]
+    return [Group(in_batch, batch.cycles)] + ([Group(own, joint_run)] if sr.batched and own else [])
