@@ -244,14 +244,6 @@ async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
         ev = await t.events.get()
 
 
-async def _sse_text(resp: web.StreamResponse, shaper: Shaper, ev: m.TextDelta, drafted: list[bool]) -> None:
-    """A delta's chunk; a token whose text is held back sends its origin with the next chunk."""
-    drafted += ev.drafted or []
-    if ev.text or ev.logprobs:
-        await _sse(resp, shaper.chunk(text=ev.text, logprobs=ev.logprobs, drafted=list(drafted)))
-        drafted.clear()
-
-
 async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper, first,
                   deadline: Optional[float]) -> web.StreamResponse:
     """The SSE stream. At the time limit (also while a client that stops reading blocks a write)
@@ -262,7 +254,6 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
     await resp.prepare(request)
     include_usage = bool(t.submit.request.stream_options and t.submit.request.stream_options.include_usage)
     ended = False  # the request's last event was taken (nothing left to cancel)
-    drafted: list[bool] = []  # joint: the origins of the tokens not yet sent
     try:
         async with asyncio.timeout_at(deadline):
             if shaper.chat:
@@ -274,8 +265,8 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
                     if ev is None:
                         await resp.write(b": keep-alive\n\n")
                         continue
-                if isinstance(ev, m.TextDelta):
-                    await _sse_text(resp, shaper, ev, drafted)
+                if isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
+                    await _sse(resp, chunk)
                 elif isinstance(ev, m.Finished):
                     ended = True
                     await _sse(resp, shaper.chunk(finished=ev))

@@ -154,8 +154,8 @@ async def stream(resp: web.StreamResponse, rows: list[Row], firsts: list, includ
         done = 0
         while done < len(rows):
             row, ev = await merged.next()
-            if isinstance(ev, m.TextDelta) and (ev.text or ev.logprobs):
-                await _sse(resp, row.shaper.chunk(text=ev.text, logprobs=ev.logprobs, drafted=ev.drafted))
+            if isinstance(ev, m.TextDelta) and (chunk := row.shaper.delta(ev)) is not None:
+                await _sse(resp, chunk)
             elif isinstance(ev, m.Finished):
                 row.finished, done = ev, done + 1
                 await _sse(resp, row.shaper.chunk(finished=ev))

@@ -41,6 +41,7 @@ class Shaper:
         the choice this shaper builds; `logprobs`: each choice carries its tokens' log-probabilities."""
         self.id, self.model, self.chat = request_id, model, chat
         self.index, self.logprobs, self._offset = index, logprobs, 0
+        self._drafted: list[bool] = []  # origins of tokens whose text is held back, for the next chunk
         self.calls = ToolCallStream() if tool_calls else None
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -64,6 +65,15 @@ class Shaper:
             choice["text"] = text
         return {**self._base(self.object), "choices": [choice], "usage": usage(finished.metrics),
                 "metrics": metrics_dict(finished.metrics)}
+
+    def delta(self, ev: m.TextDelta) -> Optional[dict]:
+        """A worker delta's chunk, or None while its text is held back (a stop string's prefix,
+        an incomplete character): its tokens' origins then go with the next chunk."""
+        self._drafted += ev.drafted or []
+        if not (ev.text or ev.logprobs):
+            return None
+        drafted, self._drafted = self._drafted, []
+        return self.chunk(text=ev.text, logprobs=ev.logprobs, drafted=drafted)
 
     def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None,
               logprobs: Optional[list[m.TokenLogprob]] = None, drafted: Optional[list[bool]] = None) -> dict:
