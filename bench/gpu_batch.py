@@ -70,7 +70,8 @@ def verity_round(target, prompts: list[list[int]], n_tokens: int, draft=None, re
     from bench.drafters import ForcedDecoder, ForcedDrafter
     from worker.baseline import BaselineBatch, BaselineRow
     from worker.joint.batch import joint_round
-    from worker.joint.parked import Parking, round_groups
+    from worker.joint.guests import round_groups
+    from worker.joint.parked import Parking
     from worker.joint.sampling import SamplingParams
     from worker.round import Row, plan_round, run_round
     from worker.scheduler import Scheduler

@@ -63,6 +63,44 @@ def test_joint_rows_drafting_nothing_decode_in_the_baseline_forward(pair):
     assert sorted(e.request_id for e in events if isinstance(e, m.TextDelta)) == ["r0", "r1", "r2", "r3"]
 
 
+def test_a_round_with_drafting_joint_rows_is_one_target_forward(pair):
+    """Baseline rows feed their one token and joint rows [y, d1, d2] in the same forward."""
+    counting = CountingModel(pair.target.model)
+    target = dataclasses.replace(pair.target, model=counting)
+    engine = Engine(target, EngineConfig(max_active=4, draft_budget=2), pair.drafts["copy"])
+    for i, p in enumerate(PROMPTS[:4]):
+        engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 60))
+    tokens = 0
+    while tokens < 4 * 10:  # past every prefill: all four rows decode
+        tokens += sum(len(e.token_ids) for e in engine.step() if isinstance(e, m.TextDelta))
+    counting.shapes.clear()
+    events = engine.step()
+    assert counting.shapes == [(4, 3)]  # two baseline rows and two joint rows drafting 2, one forward
+    assert sorted({e.request_id for e in events if isinstance(e, m.TextDelta)}) == ["r0", "r1", "r2", "r3"]
+
+
+@pytest.mark.parametrize("draft", ["copy", "perturbed"])
+def test_drafting_joint_rows_beside_baseline_rows_decode_as_each_alone(pair, draft):
+    """Joint rows drafting every round (accepting all or some) in the batch's forward, with
+    baseline rows joining, leaving and cancelled around them: every greedy output is the
+    target's own, and the baseline rows' too."""
+    reqs = {f"r{i}": (joint if i % 2 else chat)(p, 12 + 3 * i) for i, p in enumerate(PROMPTS)}
+    arrivals = {0: [("r0", reqs["r0"]), ("r1", reqs["r1"])], 2: [("r2", reqs["r2"]), ("r3", reqs["r3"])],
+                6: [("r4", reqs["r4"]), ("r5", reqs["r5"])]}
+    engine = Engine(pair.target, EngineConfig(max_active=6, prefill_step=16, draft_budget=3), pair.drafts[draft])
+    got = drive(engine, arrivals, cancels={9: ["r4"]})
+    assert engine.totals.joint.drafted > 0
+    assert (engine.totals.joint.rollbacks > 0) == (draft == "perturbed")  # rejections were recovered
+    for rid, req in reqs.items():
+        want = drive(Engine(pair.target, EngineConfig(max_active=1)),
+                     {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        if rid == "r4":
+            assert got[rid] == want[: len(got[rid])]
+            continue
+        assert len(got[rid]) == req.max_tokens
+        assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
+
+
 def test_greedy_output_is_exact_as_joint_rows_move_in_and_out_of_the_batch(pair):
     reqs = {f"r{i}": (joint if i % 3 else chat)(p, 14 + 3 * i) for i, p in enumerate(PROMPTS)}
     arrivals = {0: [("r0", reqs["r0"]), ("r1", reqs["r1"]), ("r2", reqs["r2"])], 3: [("r3", reqs["r3"])],

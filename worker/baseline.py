@@ -47,20 +47,30 @@ class BaselineBatch:
         self._to_prefill[uid] = max(0, len(prompt) - cached - 1)
         return uid
 
-    def step(self) -> None:
-        """One decode step of the rows in generation and one prefill chunk of those joining."""
+    def step(self, guest: Optional[Callable] = None) -> bool:
+        """One decode step of the rows in generation and one prefill chunk of those joining.
+        `guest`: a forward standing in for the model in the decode step (worker/joint/guests.py);
+        True if the step ran it (it does when some row is decoding)."""
         if self._leaving:  # one filter of the batch's caches for all of them
             self.gen.remove(self._leaving)
             self._leaving = []
         if not self.rows:
-            return
-        self._to_prefill = {u: n - self.prefill_step for u, n in self._to_prefill.items() if n > self.prefill_step}
-        prefilled, generated = self.gen.next()
+            return False
+        decoding = self.gen._generation_batch  # mlx-lm 0.32's: its decode step calls its model
+        hosted = guest is not None and len(decoding) > 0
+        if hosted:
+            decoding.model = guest
+        try:
+            self._to_prefill = {u: n - self.prefill_step for u, n in self._to_prefill.items() if n > self.prefill_step}
+            prefilled, generated = self.gen.next()
+        finally:
+            decoding.model = self.gen.model
         for p in prefilled:
             if p.end_of_segment and not p.end_of_prompt and p.uid in self.rows:
                 self.rows[p.uid].boundary_reached(lambda uid=p.uid: self.cache_of(uid))
         for r in generated:
             self.rows[r.uid].deliver(r.token, r.logprobs)
+        return hosted
 
     def join_at(self, row, tokens: list[int], cache: list) -> int:
         """A joint request that stops drafting: its cache holds tokens[:-1] and its last token is

@@ -25,7 +25,8 @@ from worker.joint.batch import joint_round
 from worker.joint.decoder import CycleStats, JointDecoder
 from worker.joint.draft import Drafter
 from worker.loader import LoadedModel
-from worker.joint.parked import Parking, round_groups
+from worker.joint.guests import round_groups
+from worker.joint.parked import Parking
 from worker.round import Row, plan_round, run_round
 from worker.scheduler import Scheduler
 from worker.state.reuse import Plan, PrefixCache, Start

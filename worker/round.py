@@ -225,7 +225,7 @@ class Group:
 def plan_round(rows: list[Row], scheduler: Planner, batch_verify: bool = True) -> ScheduledRound:
     """The scheduler's plan for a round of these rows (in the engine's order)."""
     states = [s for r in rows if (s := r.decoder.state(r.request_id, r.tokens_left)) is not None]
-    batched = batch_verify and len(states) > 1
+    batched = batch_verify and len(states) > 0 and len(rows) > 1  # a joint row beside any other
     plan = scheduler.plan_round(RoundInput(states, len(rows), pipelined=not batched))
     reason = None if all(r.decoder.started for r in rows) else SetApart.PREFILL_OR_ERROR
     return ScheduledRound(rows, states, plan, batched, reason or set_apart(states, plan, batched))

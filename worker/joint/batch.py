@@ -11,6 +11,7 @@ different lengths are right-padded; padded positions never change a request's re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -25,6 +26,62 @@ from worker.round import CATCH_UP_LAG
 def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
     """Runs one cycle for each decoder (k from `budgets`); returns each one's emitted tokens.
     Each decoder must then be committed as after JointDecoder.cycle."""
+    proposal = propose(decoders, budgets)
+    return proposal.accept(verify_batch(proposal.verify))
+
+
+@dataclass
+class Verify:
+    """The joint rows' verify forward: each row's [y, d1..dk], right-padded to the widest."""
+
+    decoders: list[JointDecoder]
+    rows: list[list[int]]
+
+    @property
+    def lens(self) -> list[int]:
+        return [len(r) for r in self.rows]
+
+    @property
+    def width(self) -> int:
+        return max(self.lens)
+
+    def inputs(self, width: int) -> mx.array:
+        return mx.array([r + [0] * (width - len(r)) for r in self.rows])
+
+    def caches(self) -> list:
+        """The rows' caches merged (copies: each decoder's own stays its replay checkpoint),
+        recording, with the rows' lengths."""
+        batch = merge([d.cache for d in self.decoders])
+        _set_lengths(batch, self.lens)
+        st.set_record(batch, True)
+        return batch
+
+    def adopt(self, batch: list, first: int, width: int) -> None:
+        """Leaves each decoder with its row (from `first` on) of the batch cache after the
+        forward: the recorded per-position states of its real tokens."""
+        for i, (d, n) in enumerate(zip(self.decoders, self.lens), start=first):
+            d.adopt_cache([_split_kv(c, i, width - n) if isinstance(c, BatchKVCache) else _split_recorded(c, i, n)
+                           for c in batch])
+
+
+@dataclass
+class Proposal:
+    """The round's drafts, proposed and ready to verify."""
+
+    verify: Verify
+    drafts: list[tuple[list[int], list]]  # per row: the drafted tokens and their draft probabilities
+    checkpoints: list[Optional[st.Checkpoint]]
+    draft_share: float  # each row's share of the drafting time
+    verify_start: float
+
+    def accept(self, logits: mx.array) -> list[list[int]]:
+        """Each row's emitted tokens from the verify logits [N, L, V]."""
+        return [d.accept(dr, qs, d.process_verify(logits[i, : len(dr) + 1], dr), ck, self.draft_share, self.verify_start)
+                for i, (d, (dr, qs), ck) in enumerate(zip(self.verify.decoders, self.drafts, self.checkpoints))]
+
+
+def propose(decoders: list[JointDecoder], budgets: list[int]) -> Proposal:
+    """Settles each row, drafts its budget in batched draft forwards, prepares its verify."""
     for d, k in zip(decoders, budgets):
         d.settle()
         if k:
@@ -34,10 +91,8 @@ def joint_round(decoders: list[JointDecoder], budgets: list[int]) -> list[list[i
                          [d.position for d in decoders], decoders)
     t1 = time.perf_counter()
     cks = [d.prepare_verify(k) for d, k in zip(decoders, budgets)]
-    logits = verify_batch(decoders, [dr for dr, _ in drafts])
-    share = (t1 - t0) / len(decoders)
-    return [d.accept(dr, qs, d.process_verify(logits[i, : len(dr) + 1], dr), ck, share, t1)
-            for i, (d, (dr, qs), ck) in enumerate(zip(decoders, drafts, cks))]
+    verify = Verify(decoders, [[d.tokens[-1]] + dr for d, (dr, _) in zip(decoders, drafts)])
+    return Proposal(verify, drafts, cks, (t1 - t0) / len(decoders), t1)
 
 
 # ---- merging and splitting caches ----
@@ -71,20 +126,11 @@ def _set_lengths(batch: list, lengths: Optional[list[int]]) -> None:
 # ---- the target ----
 
 
-def verify_batch(decoders: list[JointDecoder], drafted: list[list[int]]) -> mx.array:
-    """One forward of every request's [y, d1..dk]; leaves each decoder with its own cache holding
-    the recorded per-position states of its real tokens. Returns logits [N, L, V]."""
-    rows = [[d.tokens[-1]] + dr for d, dr in zip(decoders, drafted)]
-    lens = [len(r) for r in rows]
-    width = max(lens)
-    x = mx.array([r + [0] * (width - len(r)) for r in rows])
-    batch = merge([d.cache for d in decoders])
-    _set_lengths(batch, lens)
-    st.set_record(batch, True)
-    logits = decoders[0].target(x, cache=batch)
-    for i, (d, n) in enumerate(zip(decoders, lens)):
-        d.adopt_cache([_split_kv(c, i, width - n) if isinstance(c, BatchKVCache) else _split_recorded(c, i, n)
-                       for c in batch])
+def verify_batch(verify: Verify) -> mx.array:
+    """One forward of every row's [y, d1..dk], alone; returns logits [N, L, V]."""
+    batch = verify.caches()
+    logits = verify.decoders[0].target(verify.inputs(verify.width), cache=batch)
+    verify.adopt(batch, 0, verify.width)
     return logits
 
 

@@ -10,8 +10,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from worker.baseline import BaselineBatch, BaselineRow
-from worker.round import BatchFn, Group, Row, ScheduledRound, SetApart
+from worker.baseline import BaselineBatch
+from worker.round import Row, ScheduledRound, SetApart
 from worker.joint.sampling import token_probs
 from worker.sampling import RowSampling
 from worker.state.checkpoint import RecordingArraysCache
@@ -98,13 +98,3 @@ class Parking:
 
     def forget(self, request_id: str) -> None:
         self.plain_plans.pop(request_id, None)
-
-
-def round_groups(sr: ScheduledRound, batch: BaselineBatch, joint_run: BatchFn) -> list[Group]:
-    """The round's groups: the batch's rows (baseline and parked joint) in its one step, and the
-    joint rows that cycle on their own in batched forwards, where the round batches them."""
-    joint = {s.request_id for s in sr.states}
-    in_batch = [r.request_id for r in sr.rows
-                if isinstance(r.decoder, BaselineRow) or (r.request_id in joint and r.decoder.parked)]
-    own = [r.request_id for r in sr.rows if r.request_id in joint and not r.decoder.in_batch]
-    return [Group(in_batch, batch.cycles)] + ([Group(own, joint_run)] if sr.batched and own else [])
