@@ -39,7 +39,6 @@ BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 RESTART_WINDOW_S = 120.0
 EXIT_START_FAILED, EXIT_WORKER_FAILING = 1, 2
 DEFAULT_CACHE_BYTES = "1G"
-DEFAULT_MAX_ACTIVE = 16  # one batch: aggregate tokens/s grows with it (docs/benchmarks.md, "bench batch"); memory bounds it (--kv-budget)
 
 
 class StartFailed(Exception):
@@ -70,8 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="hybrid-state recovery: per-position states (fast) or checkpoint and replay")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
-                   help="requests decoded at once, in one batch (each also needs its worst case to fit --kv-budget)")
+    p.add_argument("--max-active", type=int, default=None,
+                   help="requests decoded at once, in one batch (each also needs its worst case to fit --kv-budget); "
+                        "default: 64 on a GPU, 16 on the CPU")
     p.add_argument("--kv-budget", type=byte_size, default=None,
                    help="bytes the admitted requests' caches may take at most, e.g. 8G (default: the GPU's memory, "
                         "or half the machine's on the CPU, less the weights)")
@@ -183,9 +183,10 @@ class Supervisor:
         a, py = self.args, sys.executable
         base = {**os.environ, runtime.PARENT_FD_ENV: str(self.death_r)}
         key = a.api_key  # resolved by main(); children get it by environment only
+        max_active = ["--max-active", str(a.max_active)] if a.max_active else []  # else the worker's, per device
         gw_env = {**base, "VERITY_API_KEY": key} if key else {k: v for k, v in base.items() if k != "VERITY_API_KEY"}
         worker = Child("worker", [py, "-m", "worker", "--runtime-dir", self.runtime_dir, "--model", a.model,
-                                  "--max-active", str(a.max_active), "--queue-size", str(a.queue_size),
+                                  *max_active, "--queue-size", str(a.queue_size),
                                   *(["--kv-budget", str(a.kv_budget)] if a.kv_budget else []),
                                   *(["--prefill-step", str(a.prefill_step)] if a.prefill_step else []),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
@@ -196,7 +197,7 @@ class Supervisor:
                                   *(["--cache-dir", os.path.abspath(a.cache_dir)] if a.cache_bytes and a.cache_dir else [])],
                        blas_env(base))
         gateway = Child("gateway", [py, "-m", "gateway", "--runtime-dir", self.runtime_dir, "--host", a.host,
-                                    "--port", str(a.port), "--max-active", str(a.max_active),
+                                    "--port", str(a.port), *max_active,
                                     "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),
                                     "--max-body-bytes", str(a.max_body_bytes), "--keepalive-s", str(a.keepalive_s),
                                     "--drain-timeout-s", str(a.drain_timeout_s),

@@ -37,7 +37,7 @@ class GatewayConfig:
     runtime_dir: str
     host: str = "127.0.0.1"
     port: int = 8000
-    max_active: int = 16
+    max_active: Optional[int] = None  # None: the worker's (its READY says)
     queue_size: int = 16
     api_key: Optional[str] = None
     max_tokens_cap: int = 2048

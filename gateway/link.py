@@ -21,6 +21,8 @@ import zmq.asyncio
 
 from protocol import codec, messages as m, runtime
 
+DEFAULT_MAX_ACTIVE = 16  # until a worker's READY says its own
+
 log = logging.getLogger("verity.gateway")
 
 
@@ -41,10 +43,12 @@ class Tracked:
 
 
 class WorkerLink:
-    def __init__(self, runtime_dir: str, max_active: int, queue_size: int):
+    def __init__(self, runtime_dir: str, max_active: Optional[int], queue_size: int):
+        """`max_active` None: the worker's, from its READY (DEFAULT_MAX_ACTIVE until then)."""
         self.runtime_dir = runtime_dir
-        self.capacity = max_active + queue_size
-        self.max_active = max_active
+        self.queue_size = queue_size
+        self.configured_max_active = max_active
+        self.worker_max_active = DEFAULT_MAX_ACTIVE  # the last READY's
         self.pid = os.getpid()
         self.ctx = zmq.asyncio.Context()
         self.requests: dict[str, Tracked] = {}
@@ -178,11 +182,23 @@ class WorkerLink:
             else:
                 t.events.put_nowait(ev)
 
+    @property
+    def max_active(self) -> int:
+        if self.configured_max_active is not None:
+            return self.configured_max_active
+        return self.worker_max_active
+
+    @property
+    def capacity(self) -> int:
+        """Requests held at once (decoding and waiting); past it, 429."""
+        return self.max_active + self.queue_size
+
     def _on_ready(self, ready: m.Ready) -> None:
         if ready.protocol_version != m.PROTOCOL_VERSION:
             log.error("worker speaks protocol %d, gateway %d", ready.protocol_version, m.PROTOCOL_VERSION)
             return
         self.worker = ready
+        self.worker_max_active = ready.max_active or self.worker_max_active
         self.heard_at = time.monotonic()
         log.info("worker %d ready (%s); resubmitting %d waiting", ready.pid, ready.model_id, self.waiting_count())
         # a worker that outlived a previous gateway still runs that gateway's requests: drop them

@@ -28,7 +28,7 @@ def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-active", type=int, default=16)
+    p.add_argument("--max-active", type=int, default=None, help="default: the worker's")
     p.add_argument("--queue-size", type=int, default=16)
     p.add_argument("--max-tokens-cap", type=int, default=2048)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)

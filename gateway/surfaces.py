@@ -70,6 +70,7 @@ class Surfaces:
             "ready": bool(w), "model": w.get("model"), "joint_available": w.get("joint_available", False),
             "draft_id": w.get("draft_id"), "context_limit": w.get("context_limit"),
             "max_tokens_cap": self.max_tokens_cap, "version": _version(),
+            "max_active": self.link.max_active, "capacity": self.link.capacity,
             "served_model_names": [w["model"], *self.aliases] if w else [],
             "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
         })

@@ -205,6 +205,7 @@ class Ready(Struct, tag=True):
     draft_id: Optional[str] = None
     url: str = ""
     defaults: SamplingDefaults = SamplingDefaults()
+    max_active: int = 0  # a worker's: requests it decodes at once
 
 
 class WorkerDown(Struct, tag=True):

@@ -19,7 +19,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 def test_example_config_is_accepted_as_is():
     a = parse_args(["--config", str(DEPLOY / "verity.toml")])
-    assert (a.model, a.host, a.port, a.max_active, a.recovery) == ("embedded", "127.0.0.1", 8000, 16, "fast")
+    assert (a.model, a.host, a.port, a.max_active, a.recovery) == ("embedded", "127.0.0.1", 8000, None, "fast")
 
 
 def test_systemd_unit_restarts_on_failure_only():

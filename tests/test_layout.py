@@ -141,3 +141,12 @@ def test_served_functions_stay_short():
                     if n > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists each package by name: one left out installs without its files."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found == listed

@@ -47,6 +47,16 @@ async def get(url: str, path: str, headers: dict, method: str = "GET", json=None
             return r.status, body, r.headers.copy()  # case-insensitive
 
 
+async def test_without_max_active_the_gateway_holds_the_workers_cap(plain):
+    """Left out, --max-active is the worker's per-device default, told the gateway in its READY."""
+    from worker.memory import default_max_active
+
+    status, info, _ = await get(plain.url, "/v1/verity/info", {})
+    assert status == 200 and info["ready"]
+    assert (info["max_active"], info["capacity"]) == (default_max_active(), default_max_active() + 16)
+    assert "--max-active" not in plain.argv
+
+
 # ---- Host: DNS rebinding ----
 
 

@@ -14,6 +14,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+# rows decoded at once: a GPU's aggregate tokens/s still grows at 64 rows; on the CPU 16 rows
+# already space each stream's tokens ~180 ms apart (docs/benchmarks.md, "bench gpu-batch", "bench batch")
+MAX_ACTIVE = {"gpu": 64, "cpu": 16}
 PREFILL_STEP = {"gpu": 512, "cpu": 128}  # prompt tokens a round: a CPU takes ~1 s for 128 (docs/benchmarks.md, "bench batch")
 CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
 
@@ -45,6 +48,10 @@ def cache_cost(model) -> CacheCost:
 
 def weights_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def default_max_active() -> int:
+    return MAX_ACTIVE["gpu" if mx.default_device() == mx.gpu else "cpu"]
 
 
 def default_prefill_step() -> int:

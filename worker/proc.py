@@ -109,7 +109,7 @@ class WorkerProc:
             process="worker", pid=self.pid, model_id=self.lm.model_id,
             cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
-            defaults=self.engine.config.defaults,
+            defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
         )
 
     def run(self) -> int:
@@ -249,7 +249,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verity-worker")
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--model", default=EMBEDDED)
-    p.add_argument("--max-active", type=int, default=16)
+    p.add_argument("--max-active", type=int, default=None, help="default: per device (worker/memory.py)")
     p.add_argument("--kv-budget", type=int, default=None)
     p.add_argument("--prefill-step", type=int, default=None)
     p.add_argument("--queue-size", type=int, default=64)
@@ -278,7 +278,8 @@ def run_worker(argv: list[str] | None = None) -> int:
             return 3
         install_recording(lm.model)
         install_recording(draft.model)
-    config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
+    max_active = args.max_active or memory.default_max_active()
+    config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
                           decision_log=args.decision_log, kv_budget=args.kv_budget,
                           prefill_step=args.prefill_step or memory.default_prefill_step(),

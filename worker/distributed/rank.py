@@ -81,7 +81,8 @@ def run_rank(argv: list[str]) -> int:
         install_recording(lm.model)
         install_recording(draft.model)
     link = Link(group)
-    config = EngineConfig(max_active=args.max_active, max_waiting=args.queue_size + args.max_active,
+    max_active = args.max_active or memory.default_max_active()
+    config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,
                           decision_log=args.decision_log if rank == 0 else None, kv_budget=args.kv_budget,
                           prefill_step=args.prefill_step or memory.default_prefill_step())
