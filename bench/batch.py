@@ -102,9 +102,10 @@ def run_http(url: str, n: int, tokens: int, mode: str) -> Streams:
     return s
 
 
-def run_long_prompt(url: str, n: int, tokens: int, long_tokens: int) -> dict:
+def run_long_prompt(url: str, n: int, tokens: int, long_tokens: int, mode: str = "baseline") -> dict:
     """n streams decode; once each has a few tokens, a prompt of about `long_tokens` tokens
-    arrives. The gaps between the n streams' tokens while it is prefilled, and its first token."""
+    arrives (in `mode`). The gaps between the n streams' tokens while it is prefilled, and its
+    first token."""
     s = Streams(time.perf_counter(), [[] for _ in range(n)])
     threads = [threading.Thread(target=lambda i=i: stream_chat(url, {
         "messages": messages(i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True},
@@ -116,7 +117,7 @@ def run_long_prompt(url: str, n: int, tokens: int, long_tokens: int) -> dict:
     words = " ".join(TOPICS) + " "
     nonce = f"{time.time_ns()}"  # a new prompt each run: no prefix of it is reused
     long = {"messages": [{"role": "user", "content": f"Note {nonce}. Summarise: " + words * (long_tokens // 60)}],
-            "max_tokens": 4, "temperature": 0}
+            "max_tokens": 4, "temperature": 0, "mode": mode}
     sent = time.perf_counter()
     r = stream_chat(url, long)
     first = r.t_first
@@ -190,10 +191,11 @@ def _report_long_prompt(args: argparse.Namespace) -> int:
     runs = []
     for rep in range(args.repeats):
         if args.url:
-            runs.append(run_long_prompt(args.url, 4, args.tokens, args.long_prompt))
+            runs.append(run_long_prompt(args.url, 4, args.tokens, args.long_prompt, args.long_mode))
         else:
-            with start_stack(args, ("--max-active", "8")) as stack:
-                runs.append(run_long_prompt(stack.url, 4, args.tokens, args.long_prompt))
+            draft = ("--draft", args.draft) if args.long_mode == "joint" else ()
+            with start_stack(args, ("--max-active", "8", *draft)) as stack:
+                runs.append(run_long_prompt(stack.url, 4, args.tokens, args.long_prompt, args.long_mode))
         progress(f"repeat {rep + 1}: gap p95 {runs[-1]['itl_p95'] * 1000:.0f} ms, first token {runs[-1]['ttft_s']:.2f} s")
     med = {k: median(r[k] for r in runs) for k in runs[0]}
     rows = [("4 streams while the prompt is prefilled", f"{med['itl_p50'] * 1000:.0f}", f"{med['itl_p95'] * 1000:.0f}",
@@ -215,6 +217,8 @@ def add_command(benches) -> None:
     p.add_argument("--no-joint", action="store_true", help="leave out the joint rows")
     p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                    help="instead: 4 streams decode while a prompt of about TOKENS tokens arrives; their gaps")
+    p.add_argument("--long-mode", choices=("baseline", "joint"), default="baseline",
+                   help="with --long-prompt: the arriving prompt's mode (joint: the stack's draft)")
     p.add_argument("--url", default=None, help="with --long-prompt: a running stack's URL instead of starting one")
     p.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     p.set_defaults(run=run_batch)

@@ -150,3 +150,38 @@ def test_the_embedded_pair_in_a_batch_decodes_as_each_request_alone():
         want = drive(Engine(target, EngineConfig(max_active=1)), {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
         assert len(got[rid]) == req.max_tokens
         assert divergences_off_near_ties(target, req, got[rid], want) == 0, (rid, got[rid], want)
+
+
+def test_a_long_joint_prompt_prefills_a_chunk_a_round_while_others_stream(pair):
+    """A joint request's prompt is fed `prefill_step` tokens a round beside the running rows'
+    step: they get tokens every round of it, and its output is still the target's own."""
+    counting = CountingModel(pair.target.model)
+    target = dataclasses.replace(pair.target, model=counting)
+    engine = Engine(target, EngineConfig(max_active=4, prefill_step=16, draft_budget=2), pair.drafts["copy"])
+    long = joint("tell me a story about the sea " * 12, 12)
+    got = {"a": [], "b": [], "long": []}
+    engine.submit("a", chat(PROMPTS[0], 60))
+    engine.submit("b", joint(PROMPTS[1], 60))
+
+    def step() -> set[str]:
+        events = engine.step()
+        for ev in events:
+            assert not isinstance(ev, m.Error), ev
+            if isinstance(ev, m.TextDelta):
+                got[ev.request_id] += ev.token_ids
+        return {ev.request_id for ev in events if isinstance(ev, m.TextDelta) and ev.token_ids}
+
+    while not (got["a"] and got["b"]):
+        step()
+    engine.submit("long", long)
+    chunks = 0
+    while not got["long"]:
+        counting.shapes.clear()
+        assert {"a", "b"} <= step()  # the running rows got tokens this round
+        chunks += 1
+        assert all(s[1] <= 16 for s in counting.shapes if s[0] == 1)  # a chunk at most
+    assert chunks >= 4  # the prompt took several rounds
+    while engine.has_work():
+        step()
+    want = drive(Engine(pair.target, EngineConfig(max_active=1)), {0: [("x", msgspec.structs.replace(long, mode="baseline"))]})["x"]
+    assert divergences_off_near_ties(pair.target, long, got["long"], want) == 0

@@ -8,7 +8,7 @@ the round's Decoder (worker/round.py): the shared step, run once a round, hands 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -16,6 +16,14 @@ from mlx_lm.generate import BatchGenerator
 from worker.round import Paid, RowState, SetApart
 from worker.sampling import Chosen, RowSampling, SamplingParams, chosen
 from worker.state.reuse import Held
+
+class Guest(Protocol):
+    """A forward that runs the batch's decode step with other rows in it (worker/joint/guests.py)."""
+
+    def fits(self, cache: list) -> bool: ...
+
+    def __call__(self, x: mx.array, cache: list) -> mx.array: ...
+
 
 NO_LIMIT = 1 << 40  # the batch never ends a row itself: the engine ends it (stop, length, cancel)
 
@@ -47,17 +55,17 @@ class BaselineBatch:
         self._to_prefill[uid] = max(0, len(prompt) - cached - 1)
         return uid
 
-    def step(self, guest: Optional[Callable] = None) -> bool:
+    def step(self, guest: Optional[Guest] = None) -> bool:
         """One decode step of the rows in generation and one prefill chunk of those joining.
         `guest`: a forward standing in for the model in the decode step (worker/joint/guests.py);
-        True if the step ran it (it does when some row is decoding)."""
+        True if the step ran it (it does when some row is decoding and the caches fit it)."""
         if self._leaving:  # one filter of the batch's caches for all of them
             self.gen.remove(self._leaving)
             self._leaving = []
         if not self.rows:
             return False
         decoding = self.gen._generation_batch  # mlx-lm 0.32's: its decode step calls its model
-        hosted = guest is not None and len(decoding) > 0
+        hosted = guest is not None and len(decoding) > 0 and guest.fits(decoding.prompt_cache)
         if hosted:
             decoding.model = guest
         try:

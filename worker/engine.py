@@ -212,12 +212,6 @@ class Engine:
         events: list = []
         self._apply_cancels(events)
         with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
-            if self._waiting and len(self._active) < self.config.max_active:
-                with self._lock:  # a joint request's admission prefills (with reuse, to its boundaries)
-                    admitted = list(self._waiting)[: self.config.max_active - len(self._active)]
-                joint = sum(len(r.prompt) for r in admitted if r.req.mode == "joint")
-                if joint:  # a baseline one's prefill is the batch's, in its rounds
-                    blas_threads.use(self._params * joint)
             self._admit(events)
             self._round(events)
         if not self._active:  # idle: the decision log's held-back records go out now
@@ -233,8 +227,8 @@ class Engine:
         if self.parking:
             self.parking.apply(sr, lambda row, e: self._fail(by_id[row.request_id], e, events))
         lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
-        joint_starts = [r for r in self._active if r.req.mode == "joint" and not r.decoder.started]
-        blas_threads.use(self._params * (self.baseline.prefill_next() + sum(len(r.prompt) for r in joint_starts))
+        joint_starts = [r.decoder for r in self._active if r.req.mode == "joint" and not r.decoder.started]
+        blas_threads.use(self._params * (self.baseline.prefill_next() + sum(d.prefill_next + 1 for d in joint_starts))
                          + self._draft_params * sum(len(r.prompt) for r in lacking))  # a draft's first cycle prefills it
 
         def emit(row: Row, tokens: list[int]) -> int:
@@ -319,20 +313,21 @@ class Engine:
 
     def _decoder(self, r: QueuedRequest) -> "BaselineRow | JointDecoder":
         """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.
-        A joint request prefills on to its boundaries now; a baseline one in the batch's chunks,
-        its boundary snapshots kept as the chunks reach them."""
+        Either prefills the rest a chunk a round, its boundary snapshots kept as the chunks reach
+        them."""
         req, reuse = r.req, self.reuse if r.plan else None
         sampling = sampling_for(req, self.config.defaults, self.vocab_size)
         if r.grammar is not None:  # last: no processor after it re-allows a token
             sampling.processors.append(self.grammars.processor(r.grammar))
         if req.mode == "joint":
-            s = reuse.start(r.plan, r.prompt, True) if reuse else Start()
-            params = sampling.params
+            s = reuse.restored(r.plan, r.prompt, True) if reuse else Start()
             drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
                        else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
                                     s.draft_cache, r.prompt[: s.draft_pos]))
-            return JointDecoder(self.lm.model, drafter, r.prompt, params, req.seed, self.config.recovery,
-                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first(), sampling)
+            kept = (lambda b, cache, d: reuse.keep_joint_boundary(r.plan, r.prompt[:b], cache, d)) if reuse else None
+            return JointDecoder(self.lm.model, drafter, r.prompt, sampling.params, req.seed, self.config.recovery,
+                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first(), sampling,
+                                reuse.boundaries(r.plan, s.pos, len(r.prompt)) if reuse else (), kept)
         if reuse is None:
             return BaselineRow(self.baseline, r.prompt, 0.0, 1.0, None, sampling=sampling)
         s = reuse.restored(r.plan, r.prompt, False)

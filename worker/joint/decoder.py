@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -65,11 +65,14 @@ class JointDecoder:
     def __init__(self, target, drafter: Drafter, prompt: list[int], params: SamplingParams,
                  seed: Optional[int] = None, recovery: str = "fast", prefill_step: int = 512,
                  cache: Optional[list] = None, cached: int = 0, pipelined_start: bool = False,
-                 sampling: Optional[RowSampling] = None):
+                 sampling: Optional[RowSampling] = None, boundaries: Sequence[int] = (),
+                 on_boundary: Optional[Callable[[int, list, Drafter], None]] = None):
         """`cache`, holding the prompt's first `cached` tokens: start from a restored state (the
         drafter likewise holds a prefix of the prompt; start() feeds each what it lacks).
         `pipelined_start`: plain cycles are likely first (see `start`). `sampling`: the request's
-        logits processors (applied to every target position) and log-probabilities wanted."""
+        logits processors (applied to every target position) and log-probabilities wanted.
+        `boundaries`: prompt lengths past `cached` where `on_boundary(length, cache, drafter)` is
+        told the prefill reached them (prefix reuse keeps a snapshot there)."""
         if recovery not in RECOVERY_PATHS:
             raise ValueError(f"recovery must be one of {RECOVERY_PATHS}")
         self.target, self.drafter, self.params = target, drafter, params
@@ -84,6 +87,8 @@ class JointDecoder:
         self.recovery, self.prefill_step = recovery, prefill_step
         self.cache = st.make_cache(target) if cache is None else cache
         self.cached = cached
+        self.fed = cached  # prompt tokens the target cache holds while the prompt is prefilled
+        self.boundaries, self.on_boundary = [b for b in boundaries if cached < b < len(prompt)], on_boundary
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)  # the target cache holds tokens[:-1] once started
         self.key_fn = make_key_fn(seed)
@@ -113,11 +118,13 @@ class JointDecoder:
                         has_drafted=self._drafting_cycles > 0, last=tokens_left <= 1)
 
     def advance(self, k: int, last: bool = False) -> list[int]:
-        """The first call starts (prefills); each later one is a cycle drafting k."""
+        """The first calls prefill (a chunk a round) and the last of them returns the first
+        token; each later one is a cycle drafting k."""
         self._nothing_held = not self.started or self._switched is not None or self._seat is not None
         self.drafted = []
         if not self.started:
-            return [self.start(self.pipelined_start)]
+            self.prefill_chunk()
+            return [] if self.prefill_next else [self.start(self.pipelined_start)]
         if self._nothing_held:
             return self._batch_tokens()
         return self.cycle(k, last)
@@ -173,6 +180,24 @@ class JointDecoder:
 
     # ---- start ----
 
+    @property
+    def prefill_next(self) -> int:
+        """Prompt tokens the next prefill chunk feeds (0: only the last one, with the start)."""
+        return max(0, min(self.prefill_step, len(self.tokens) - 1 - self.fed))
+
+    def prefill_chunk(self) -> None:
+        """Feeds the next `prefill_step` tokens of the prompt (fewer to stop at a boundary), so a
+        long prompt holds each round of the others for one chunk only."""
+        if not self.prefill_next:
+            return
+        stop = min([self.fed + self.prefill_next] + [b for b in self.boundaries if b > self.fed])
+        st.prefill(self.target, self.cache, self.tokens[self.fed : stop], self.prefill_step)
+        self.fed = stop
+        if self.on_boundary is not None and self.boundaries and stop <= self.boundaries[-1]:
+            self.drafter.catch_up(self.tokens[:stop], keep=0)  # the snapshots hold the draft's state too
+        if stop in self.boundaries and self.on_boundary is not None:
+            self.on_boundary(stop, self.cache, self.drafter)
+
     def start(self, pipelined: bool = False) -> int:
         """Prefills the target with the prompt; returns the first token (the target's). The draft
         catches up at its first drafting cycle: a request the scheduler never drafts for never
@@ -181,7 +206,8 @@ class JointDecoder:
         its token; docs/design.md, "Pipelined plain cycles")."""
         self.started = True
         prompt = self.tokens
-        st.prefill(self.target, self.cache, prompt[self.cached : -1], self.prefill_step)
+        st.prefill(self.target, self.cache, prompt[self.fed : -1], self.prefill_step)
+        self.fed = len(prompt) - 1
         y, lp = self._pick(self.target(mx.array(prompt[-1:])[None], cache=self.cache)[0, -1], self._context())
         if pipelined:
             mx.async_eval(y)

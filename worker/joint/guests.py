@@ -33,6 +33,12 @@ class GuestForward:
         self.model, self.verify = model, verify
         self.logits: Optional[mx.array] = None  # the guests' [J, W, V], once it ran
 
+    @staticmethod
+    def fits(cache: list) -> bool:
+        """The batch's caches can take guests (attention KV and recurrent state; not a rotating
+        window, whose positions a joined forward would evict)."""
+        return all(isinstance(c, (BatchKVCache, ArraysCache)) for c in cache)
+
     def __call__(self, x: mx.array, cache: list) -> mx.array:
         """x: the batch's next tokens [B, 1]; returns the batch's logits [B, 1, V]."""
         b, width = x.shape[0], self.verify.width
@@ -53,8 +59,6 @@ def _join(c, guests, b: int, lens: list[int]):
         out = copy.copy(c)
         out.extend(guests)
         return out
-    if not isinstance(c, ArraysCache):
-        raise TypeError(f"a batch cache of {type(c).__name__} cannot host guests")
     out = RecordingArraysCache(len(c.cache))
     out.cache = list(c.cache)
     out.extend(guests)

@@ -98,23 +98,14 @@ class PrefixCache:
 
     # ---- start of a request ----
 
-    def start(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
-        """Caches holding the longest reusable prefix, prefilled on to the prompt's boundaries (a
-        snapshot kept at each)."""
-        s = self.restored(plan, prompt, joint)
+    def keep_joint_boundary(self, plan: Plan, tokens: list[int], cache: list, drafter) -> None:
+        """A joint request's prefill reached a boundary: its draft feeds the prompt on to it, and
+        both caches are kept there. Reuse never fails a request: an error is logged, no more."""
         try:
-            for b in self.boundaries(plan, s.pos, len(prompt)):
-                st.prefill(self.model, s.cache, prompt[s.pos : b], self.prefill_step)
-                s.pos = b
-                if joint:
-                    st.prefill(self.draft_model, s.draft_cache, prompt[s.draft_pos : b], self.prefill_step)
-                    s.draft_pos = b
-                self.keep_boundary(plan, prompt[:b], s.cache, s.draft_cache, s.draft_pos)
-            return s
-        except Exception:  # reuse must never fail a request: it starts from scratch instead
-            log.exception("prefix reuse failed; this request starts without it")
-            plan.reused = 0
-            return Start(st.make_cache(self.model), st.make_cache(self.draft_model) if joint else None)
+            drafter.catch_up(tokens, keep=0)
+            self.keep_boundary(plan, tokens, cache, drafter.cache, len(drafter.consumed))
+        except Exception:
+            log.exception("prefix reuse failed to keep a boundary")
 
     def restored(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
         """Caches holding the longest prefix a snapshot has (fresh ones where none has)."""
