@@ -70,10 +70,9 @@ def _join(c, guests, b: int, lens: list[int]):
 def _take_back(c, joined, b: int, width: int) -> None:
     """The batch's rows of a joined layer after the forward, as if each had fed its one token."""
     if isinstance(c, BatchKVCache):
-        pad = width - 1
-        c.keys, c.values = joined.keys[:b], joined.values[:b]
-        c.offset, c.left_padding = joined.offset[:b] - pad, joined.left_padding[:b]
-        c._idx = joined._idx - pad
+        keys, values, offset, left_padding, end = joined.state
+        c.state = keys[:b], values[:b], offset[:b], left_padding[:b], end
+        c.trim(width - 1)
     else:
         c.cache = [mx.contiguous(joined.conv_input[:b, 1 : 1 + joined.n_keep, :]), joined.states[0][:b]]
         if c.left_padding is not None:  # what is left of a prompt's padding (none once it is <= 0)
