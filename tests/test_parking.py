@@ -48,35 +48,33 @@ def joint(text: str, n: int, **kw) -> m.GenerateRequest:
     return chat(text, n, mode="joint", **kw)
 
 
-def test_joint_rows_drafting_nothing_decode_in_the_baseline_forward(pair):
+def one_round_of_four(pair, draft_budget: int) -> tuple[list, list]:
+    """Two baseline and two joint rows past every prefill (and park): the target forwards' input
+    shapes of one round, and its events."""
     counting = CountingModel(pair.target.model)
     target = dataclasses.replace(pair.target, model=counting)
-    engine = Engine(target, EngineConfig(max_active=4, draft_budget=0), pair.drafts["copy"])
+    engine = Engine(target, EngineConfig(max_active=4, draft_budget=draft_budget), pair.drafts["copy"])
     for i, p in enumerate(PROMPTS[:4]):
-        engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 40))
+        engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 60))
     tokens = 0
     while tokens < 4 * 10:  # past every prefill and park: all four rows decode
         tokens += sum(len(e.token_ids) for e in engine.step() if isinstance(e, m.TextDelta))
     counting.shapes.clear()
     events = engine.step()
-    assert counting.shapes == [(4, 1)]  # two baseline and two joint rows, one forward
-    assert sorted(e.request_id for e in events if isinstance(e, m.TextDelta)) == ["r0", "r1", "r2", "r3"]
+    return counting.shapes, sorted({e.request_id for e in events if isinstance(e, m.TextDelta)})
+
+
+def test_joint_rows_drafting_nothing_decode_in_the_baseline_forward(pair):
+    shapes, emitted = one_round_of_four(pair, draft_budget=0)
+    assert shapes == [(4, 1)]  # two baseline and two joint rows, one forward
+    assert emitted == ["r0", "r1", "r2", "r3"]
 
 
 def test_a_round_with_drafting_joint_rows_is_one_target_forward(pair):
     """Baseline rows feed their one token and joint rows [y, d1, d2] in the same forward."""
-    counting = CountingModel(pair.target.model)
-    target = dataclasses.replace(pair.target, model=counting)
-    engine = Engine(target, EngineConfig(max_active=4, draft_budget=2), pair.drafts["copy"])
-    for i, p in enumerate(PROMPTS[:4]):
-        engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 60))
-    tokens = 0
-    while tokens < 4 * 10:  # past every prefill: all four rows decode
-        tokens += sum(len(e.token_ids) for e in engine.step() if isinstance(e, m.TextDelta))
-    counting.shapes.clear()
-    events = engine.step()
-    assert counting.shapes == [(4, 3)]  # two baseline rows and two joint rows drafting 2, one forward
-    assert sorted({e.request_id for e in events if isinstance(e, m.TextDelta)}) == ["r0", "r1", "r2", "r3"]
+    shapes, emitted = one_round_of_four(pair, draft_budget=2)
+    assert shapes == [(4, 3)]  # two baseline rows and two joint rows drafting 2, one forward
+    assert emitted == ["r0", "r1", "r2", "r3"]
 
 
 @pytest.mark.parametrize("draft", ["copy", "perturbed"])
