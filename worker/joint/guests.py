@@ -75,8 +75,7 @@ def _take_back(c, joined, b: int, width: int) -> None:
         c.trim(width - 1)
     else:
         c.cache = [mx.contiguous(joined.conv_input[:b, 1 : 1 + joined.n_keep, :]), joined.states[0][:b]]
-        if c.left_padding is not None:  # what is left of a prompt's padding (none once it is <= 0)
-            c.left_padding = c.left_padding - 1
+        c.advance(1)  # what is left of a prompt's padding, as its own step moves it
 
 
 def mixed_round(batch: BaselineBatch, in_batch: list, guests: list[JointDecoder], budgets: list[int]) -> list[list[int]]:
