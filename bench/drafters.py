@@ -1,31 +1,26 @@
-"""Drafters and decoders for benchmarks only, never served: acceptance by construction."""
+"""Drafts for benchmarks only, never served: acceptance by construction (the engine's `controls`)."""
 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 
-from worker.joint.decoder import JointDecoder
-from worker.joint.draft import Drafter
 
-
-class ControlledDrafter(Drafter):
-    """Benchmark only, never served: runs the real draft forward (so drafting and draft recovery
+class Controlled:
+    """Benchmark only, never served: the real draft forward runs (so drafting and its recovery
     cost what they cost) but proposes the target's known greedy continuation with probability
     alpha(position) and a wrong token otherwise. Whether a position is proposed right depends
     only on (seed, position): runs with one seed meet the same hard tokens whatever their budget
     (common random numbers), so comparisons between budgets are not blurred by the draws."""
 
-    def __init__(self, model, reference: list[int], alpha: Callable[[int], float], vocab_size: int,
-                 seed: int = 0, **kw):
-        super().__init__(model, **kw)
+    def __init__(self, reference: list[int], alpha: Callable[[int], float], vocab_size: int, seed: int = 0):
         self.reference, self.alpha, self.vocab_size, self.seed = reference, alpha, vocab_size, seed
 
-    def choose(self, logits, position, params, key_fn):
+    def choose(self, logits: mx.array, position: int) -> tuple[mx.array, Optional[mx.array]]:
         # the token depends on the logits, so the forward really runs, lazily, as a real draft's would
-        return mx.depends(mx.array([self.pick(position)]), logits), None
+        return mx.depends(mx.array([self.pick(position)], dtype=mx.uint32), logits), None
 
     def pick(self, position: int) -> int:
         ref = self.reference[position] if position < len(self.reference) else 0
@@ -35,20 +30,26 @@ class ControlledDrafter(Drafter):
         """Whether its proposal at this output position is the reference's token."""
         return random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
 
-
-class ForcedDrafter(ControlledDrafter):
-    """The controlled draft, whose proposals ForcedDecoder accepts by its intent."""
-
-
-class ForcedDecoder(JointDecoder):
-    """Bench only, never served: the verify forward runs as always, but acceptance follows the
-    draft's intent (every proposal it meant to be right, up to the first it meant to be wrong),
-    so a run has acceptance α by construction. Random bf16 weights put near-ties everywhere, and
-    a verify of several tokens flips some that one-token decoding does not: a draft proposing a
-    fixed reference would then be wrong ever after, and α would not be what is measured. The
-    costs (draft steps, verify width, recovery of n accepted) are those of real acceptance."""
-
-    def decide(self, drafted, qs, logits, choices=None):
-        flags = [self.drafter.meant_right(self.position + i) for i in range(len(drafted))]
+    def accept_by_intent(self, drafted: list[int], logits: mx.array, position: int) -> tuple[int, int]:
+        """The verify forward runs as always, but acceptance follows the draft's intent (every
+        proposal it meant to be right, up to the first it meant to be wrong), so a run has
+        acceptance α by construction: random bf16 weights put near-ties everywhere, and a verify
+        of several tokens flips some that one-token decoding does not, after which a draft of a
+        fixed reference would be wrong ever after. The costs are those of real acceptance."""
+        flags = [self.meant_right(position + i) for i in range(len(drafted))]
         n = next((i for i, right in enumerate(flags) if not right), len(flags))
-        return n, (mx.argmax(logits[n]) if choices is None else choices[n]).item()
+        return n, int(mx.argmax(logits[n]).item())
+
+
+def controls(references: dict[tuple, tuple[int, list[int]]], alpha: Callable[[int], float], vocab_size: int,
+             forced: bool = False):
+    """The engine's `controls`: each joint request's controlled draft, seeded and referenced by
+    its prompt (`references`: prompt -> (seed, the target's greedy continuation)); `forced`:
+    acceptance by the draft's intent too."""
+
+    def make(request_id: str, prompt: list[int]):
+        seed, ref = references[tuple(prompt)]
+        c = Controlled(ref, alpha, vocab_size, seed)
+        return c.choose, (c.accept_by_intent if forced else None)
+
+    return make

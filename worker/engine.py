@@ -1,5 +1,6 @@
-"""The model loop: a bounded FIFO of requests; each step admits what fits and runs one round
-(worker/round.py): a cycle for every active request.
+"""The model loop: a bounded FIFO of requests; each step admits what fits and runs one round of
+the batch (worker/batch/): a chunk of each joining row's prompt, then one forward of every
+decoding row, its draft length planned by the scheduler.
 
 No sockets here: `submit` and `cancel` are plain calls that any thread may make, `step` runs on
 the one MLX thread and returns the events it produced. worker/proc.py moves them over sockets.
@@ -12,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -20,19 +21,17 @@ from mlx_lm.generate import generation_stream
 
 from protocol import messages as m
 from worker import blas_threads, memory
-from worker.baseline import BaselineBatch, BaselineRow
-from worker.joint.batch import joint_round
-from worker.joint.decoder import CycleStats, JointDecoder
-from worker.joint.draft import Drafter
-from worker.loader import LoadedModel
-from worker.joint.guests import round_groups
-from worker.joint.parked import Parking
-from worker.round import Row, plan_round, run_round
-from worker.scheduler import Scheduler
-from worker.state.reuse import Plan, PrefixCache, Start
+from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
+from worker.batch.runner import BatchRunner
+from worker.emit import Emitter, QueuedRequest
 from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
-from worker.sampling import Chosen, SamplingInvalid, sampling_for
-from worker.text import PromptInvalid, StopMatcher, StreamingDetokenizer, render_prompt
+from worker.joint.sampling import make_key_fn
+from worker.loader import LoadedModel
+from worker.round import RoundInput, RoundReport, SetApart
+from worker.sampling import SamplingInvalid, sampling_for
+from worker.scheduler import Scheduler
+from worker.state.reuse import Held, PrefixCache, Start
+from worker.text import PromptInvalid, render_prompt
 
 
 @dataclass
@@ -43,9 +42,7 @@ class EngineConfig:
     draft_budget: Optional[int] = None  # fixed tokens drafted per joint cycle; None: adaptive
     max_round_budget: int = 16  # adaptive: drafted tokens in one round, all requests together
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
-    batch_verify: bool = True  # joint requests of a round share batched draft and verify forwards
-    recovery: str = "fast"  # "fast" (per-position states) or "replay" (checkpoint and re-feed)
-    park: bool = True  # joint rows drafting nothing decode in the baseline batch (docs/design.md, "Parked joint rows")
+    recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
 
@@ -56,29 +53,6 @@ class RequestError(Exception):
     def __init__(self, code: str, message: str, status: int = 400, param: Optional[str] = None):
         super().__init__(message)
         self.code, self.message, self.status, self.param = code, message, status, param
-
-
-@dataclass
-class QueuedRequest:
-    """A request the engine holds, from its submit to its release."""
-
-    id: str
-    req: m.GenerateRequest
-    prompt: list[int]
-    received: float
-    decoder: Optional["BaselineRow | JointDecoder"] = None
-    detok: Optional[StreamingDetokenizer] = None
-    stop: Optional[StopMatcher] = None
-    tokens: list[int] = field(default_factory=list)
-    first_token_at: float = 0.0
-    done: bool = False
-    finished: Optional[m.Finished] = None
-    last_token_at: float = 0.0
-    plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
-    grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
-    reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
-    chosen: list[Chosen] = field(default_factory=list)  # log-probabilities of the tokens being emitted
-    drafted: list[bool] = field(default_factory=list)  # joint: which of them the draft proposed
 
 
 class _Totals:
@@ -102,24 +76,26 @@ def _n_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
+# (request id, prompt) -> the draft's chooser and the verify's acceptor (benchmarks: acceptance by construction)
+Controls = Callable[[str, list[int]], tuple[Optional[Chooser], Optional[Acceptor]]]
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, config: Optional[EngineConfig] = None, draft: Optional[LoadedModel] = None,
-                 drafter_factory=None, reuse: Optional[PrefixCache] = None):
-        """drafter_factory(request_id, prompt) -> Drafter replaces the draft model's own drafter
-        (benchmarks: the controlled-acceptance draft; never served). reuse: exact prefix reuse."""
+                 controls: Optional[Controls] = None, reuse: Optional[PrefixCache] = None):
+        """`controls`: replaces the draft's choices and the acceptance (benchmarks; never served).
+        reuse: exact prefix reuse."""
         config = config or EngineConfig()
-        self.lm, self.config, self.draft, self.reuse = lm, config, draft, reuse
-        self.drafter_factory = drafter_factory
+        self.lm, self.config, self.draft, self.reuse, self.controls = lm, config, draft, reuse, controls
         self.draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
-        self.eos_ids = set(lm.tokenizer.eos_token_ids)
         self._lock = threading.Condition()
         self._waiting: deque[QueuedRequest] = deque()
         self._cancels: set[str] = set()
         self._active: list[QueuedRequest] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
-        self.baseline = BaselineBatch(lm.model, config.prefill_step, config.max_active)
-        self.parking = Parking(self.baseline) if config.park else None
+        self.runner = BatchRunner(lm.model, draft.model if draft else None, config.prefill_step, config.recovery,
+                                  None)
         self.cache_cost = memory.cache_cost(lm.model)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
@@ -127,19 +103,34 @@ class Engine:
         self._reserved = 0  # bytes the admitted requests' worst cases hold
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
-        self.vocab_size = len(getattr(lm.tokenizer, "_tokenizer", lm.tokenizer))
+        self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
+        self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
 
     # ---- any thread ----
 
     def submit(self, request_id: str, req: m.GenerateRequest) -> int:
         """Tokenizes and queues a request; returns its prompt length or raises RequestError."""
         if req.mode == "joint" and self.draft is None:
-            raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none (start launch-stack with --draft)", param="mode")
+            raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none "
+                               "(start launch-stack with --draft)", param="mode")
         try:
             sampling_for(req, self.config.defaults, self.vocab_size)  # fills omitted fields; checks token ids
         except SamplingInvalid as e:
             raise RequestError("invalid_token_id", str(e), param=e.param) from None
+        prompt = self._prompt(req)
+        need = self._worst_case(req, prompt)
+        if need > self.kv_budget:
+            raise RequestError(
+                "kv_budget_exceeded",
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({req.max_tokens}) need up to {need} bytes of "
+                f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
+        plan = self.reuse.plan(req, prompt) if self.reuse else None
+        grammar = self._grammar(req)
+        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
+        return len(prompt)
+
+    def _prompt(self, req: m.GenerateRequest) -> list[int]:
         try:
             prompt = render_prompt(self.lm.tokenizer, req, self.vocab_size)
         except PromptInvalid as e:
@@ -152,18 +143,8 @@ class Engine:
             raise RequestError(
                 "context_length_exceeded",
                 f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
-                param="messages" if req.messages is not None else "prompt",
-            )
-        need = self._worst_case(req, prompt)
-        if need > self.kv_budget:
-            raise RequestError(
-                "kv_budget_exceeded",
-                f"the prompt ({len(prompt)} tokens) and max_tokens ({req.max_tokens}) need up to {need} bytes of "
-                f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
-        plan = self.reuse.plan(req, prompt) if self.reuse else None
-        grammar = self._grammar(req)
-        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
-        return len(prompt)
+                param="messages" if req.messages is not None else "prompt")
+        return prompt
 
     def _enqueue(self, r: QueuedRequest) -> None:
         """Queues a checked request (a distributed group's rank 0 stages it for every rank)."""
@@ -208,45 +189,53 @@ class Engine:
     # ---- the MLX thread ----
 
     def step(self) -> list:
-        """Applies cancels, admits waiting requests, decodes one token for each active one."""
+        """Applies cancels, admits waiting requests, runs one round of the batch."""
         events: list = []
         self._apply_cancels(events)
-        with mx.stream(generation_stream):  # mlx-lm's own: the joint path runs where generate_step does
+        with mx.stream(generation_stream):  # mlx-lm's own stream, as its generate_step uses
             self._admit(events)
-            self._round(events)
+            if self._active:
+                self._round(events)
         if not self._active:  # idle: the decision log's held-back records go out now
             self.scheduler.flush_log()
         return events
 
     def _round(self, events: list) -> None:
-        """One round: a cycle for every active request, joint rows' draft lengths from the
-        scheduler, joint rows batched; the round's report feeds the scheduler."""
+        """Prompt chunks, then one forward of every decoding row with the scheduler's drafts; the
+        round's time, less what was paid apart, feeds the scheduler."""
         by_id = {r.id: r for r in self._active}
-        rows = [Row(r.id, r.decoder, self._tokens_left(r)) for r in self._active]
-        sr = plan_round(rows, self.scheduler, self.config.batch_verify)
-        if self.parking:
-            self.parking.apply(sr, lambda row, e: self._fail(by_id[row.request_id], e, events))
-        lacking = [by_id[s.request_id] for s in sr.states if s.lacks_prompt and sr.plan.k(s.request_id)]
-        joint_starts = [r.decoder for r in self._active if r.req.mode == "joint" and not r.decoder.started]
-        blas_threads.use(self._params * (self.baseline.prefill_next() + sum(d.prefill_next + 1 for d in joint_starts))
-                         + self._draft_params * sum(len(r.prompt) for r in lacking))  # a draft's first cycle prefills it
-
-        def emit(row: Row, tokens: list[int]) -> int:
-            r, kept = by_id[row.request_id], 0
-            r.chosen = list(getattr(r.decoder, "chosen", []))
-            r.drafted = list(getattr(r.decoder, "drafted", []))
-            for token in tokens:
-                kept += 1
-                if self._on_token(r, token, events):
-                    break
-            return kept
-
-        report = run_round(sr, emit, lambda row, e: self._fail(by_id[row.request_id], e, events),
-                           round_groups(sr, self.baseline, joint_round))
-        for r in [r for r in self._active if r.done]:
-            r.finished.metrics = self._metrics(r)  # with the last cycle's recovery
+        blas_threads.use(self._params * self.runner.prefill_next())
+        prefill_s = self._guarded(self.runner.prefill, by_id, events, 0.0)
+        t0 = time.perf_counter()
+        decoding = self.runner.decoding()
+        states = self.runner.states({rid: self._tokens_left(by_id[rid]) for rid in decoding})
+        plan = self.scheduler.plan_round(RoundInput(states, len(decoding), pipelined=False))
+        decoded = self._guarded(lambda: self.runner.decode(plan.budgets), by_id, events, None)
+        if decoded is None:
+            return
+        for outcome in decoded.outcomes:
+            self._emit(by_id[outcome.id], outcome, events)
+        for r in [r for r in self._active if r.phase == Phase.DONE]:
             self._release(r)
-        self.scheduler.observe(report)
+        apart = dict(decoded.apart)
+        seconds = time.perf_counter() - t0 - sum(p.seconds for p in apart.values())
+        reason = SetApart.PREFILL_OR_ERROR if prefill_s and not decoding else None
+        self.scheduler.observe(RoundReport(seconds, reason, apart, decoded.draft_s, decoded.cycles))
+
+    def _guarded(self, run: Callable, by_id: dict, events: list, failed):
+        """Runs a part of the round; an error ends every row it touched (the batch's rows)."""
+        try:
+            return run()
+        except Exception as e:  # the batch's state is unknown after a failed forward: its rows end
+            for r in list(self._active):
+                self._fail(r, e, events)
+            return failed
+
+    def _emit(self, r: QueuedRequest, outcome: RowOutcome, events: list) -> None:
+        if r.phase == Phase.DONE:
+            return
+        if self.emitter.tokens(r, outcome, events, self.lm.context_limit):
+            r.phase = advance(r.phase, Phase.DONE)
 
     def _tokens_left(self, r: QueuedRequest) -> int:
         return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
@@ -258,21 +247,12 @@ class Engine:
             for r in waiting:
                 self._waiting.remove(r)
         for r in waiting:
-            events.append(m.Finished(r.id, "cancelled", self._metrics(r)))
+            events.append(m.Finished(r.id, "cancelled", self.emitter.metrics(r)))
         self.totals.finished += len(waiting)  # they never reach _release
         for r in [r for r in self._active if r.id in cancels]:
-            self._finish(r, "cancelled", events)
+            self.emitter.finish(r, "cancelled", events)
+            r.phase = advance(r.phase, Phase.DONE)
             self._release(r)
-
-    def _alone_and_plain_first(self) -> bool:
-        """A new joint request's first cycles are likely plain and unbatched: a fixed k of 0, or
-        the adaptive scheduler whose last decision drafted nothing, and no other joint request
-        active or waiting to batch with (docs/design.md, "Pipelined plain cycles")."""
-        with self._lock:
-            others = any(w.req.mode == "joint" for w in self._waiting)
-        others = others or any(a.req.mode == "joint" for a in self._active)
-        plain = self.config.draft_budget == 0 or (self.config.draft_budget is None and not self.scheduler.drafting)
-        return plain and not (self.config.batch_verify and others)
 
     def _grammar(self, req: m.GenerateRequest) -> Optional[Grammar]:
         """The request's output grammar, checked against the served tokenizer (400 naming the schema)."""
@@ -302,123 +282,68 @@ class Engine:
                     return  # it waits for the admitted to release theirs
                 self._waiting.popleft()
             self._reserved += r.reserved
-            r.decoder = self._decoder(r)
-            r.detok = StreamingDetokenizer(self.lm.tokenizer, r.prompt)
-            r.stop = StopMatcher(r.req.stop)
             self.totals.prompt_tokens += len(r.prompt)
             self._active.append(r)
-            events.append(m.Started(r.id, len(r.prompt)))
-            if r.req.echo:  # completions: the prompt's text first
-                events.append(m.TextDelta(r.id, r.detok.text_of(r.prompt), []))
+            try:
+                self._join(r)
+            except Exception as e:
+                self._fail(r, e, events)
+                continue
+            self.emitter.start(r, events)
 
-    def _decoder(self, r: QueuedRequest) -> "BaselineRow | JointDecoder":
-        """The request's decoder, on caches that hold the longest prefix reuse has of its prompt.
-        Either prefills the rest a chunk a round, its boundary snapshots kept as the chunks reach
-        them."""
+    def _join(self, r: QueuedRequest) -> None:
+        """The request's row, on caches that hold the longest prefix reuse has of its prompt."""
         req, reuse = r.req, self.reuse if r.plan else None
         sampling = sampling_for(req, self.config.defaults, self.vocab_size)
         if r.grammar is not None:  # last: no processor after it re-allows a token
             sampling.processors.append(self.grammars.processor(r.grammar))
-        if req.mode == "joint":
-            s = reuse.restored(r.plan, r.prompt, True) if reuse else Start()
-            drafter = (self.drafter_factory(r.id, r.prompt) if self.drafter_factory
-                       else Drafter(self.draft.model, self.config.recovery, self.config.prefill_step,
-                                    s.draft_cache, r.prompt[: s.draft_pos]))
-            kept = (lambda b, cache, d: reuse.keep_joint_boundary(r.plan, r.prompt[:b], cache, d)) if reuse else None
-            return JointDecoder(self.lm.model, drafter, r.prompt, sampling.params, req.seed, self.config.recovery,
-                                self.config.prefill_step, s.cache, s.pos, self._alone_and_plain_first(), sampling,
-                                reuse.boundaries(r.plan, s.pos, len(r.prompt)) if reuse else (), kept)
-        if reuse is None:
-            return BaselineRow(self.baseline, r.prompt, 0.0, 1.0, None, sampling=sampling)
-        s = reuse.restored(r.plan, r.prompt, False)
-        return BaselineRow(self.baseline, r.prompt, 0.0, 1.0, None, s.cache, s.pos,
-                           reuse.boundaries(r.plan, s.pos, len(r.prompt)),
-                           lambda b, cache: reuse.keep_boundary(r.plan, r.prompt[:b], cache), sampling=sampling)
-
-    def _on_token(self, r: QueuedRequest, token: int, events: list) -> bool:
-        """Handles one emitted token; True when it ended the request."""
-        now = time.perf_counter()
-        if not r.tokens:
-            r.first_token_at = now
-        r.last_token_at = now
-        r.tokens.append(token)
-        self.totals.generated_tokens += 1
-        self.totals.recent.append(now)
-        if token in self.eos_ids and not r.req.ignore_eos:
-            return self._finish(r, "stop", events)
-        text, stopped = r.stop.feed(r.detok.add(token))
-        lp = [self._token_logprob(r.chosen.pop(0))] if r.chosen else None
-        drafted = [r.drafted.pop(0) if r.drafted else False] if r.req.mode == "joint" else None
-        if text or not stopped:
-            events.append(m.TextDelta(r.id, text, [token], lp, drafted))
-        if stopped:
-            return self._finish(r, "stop", events, flush=False)
-        if len(r.tokens) >= r.req.max_tokens or len(r.prompt) + len(r.tokens) >= self.lm.context_limit:
-            return self._finish(r, "length", events)
-        return False
-
-    def _token_logprob(self, c: Chosen) -> m.TokenLogprob:
-        def text(t: int) -> str:
-            return self.lm.tokenizer.decode([t])
-
-        top = [m.TopLogprob(text(t), lp, list(text(t).encode())) for t, lp in c.top]
-        return m.TokenLogprob(text(c.token), c.logprob, list(text(c.token).encode()), top)
-
-    def _finish(self, r: QueuedRequest, reason: str, events: list, flush: bool = True) -> bool:
-        """Emits the end of a request; the caller releases it after recovering its state."""
-        if flush and r.detok is not None:
-            text, stopped = r.stop.feed(r.detok.flush())
-            tail = text if stopped else text + r.stop.flush()
-            if tail:
-                events.append(m.TextDelta(r.id, tail, []))
-        r.done = True
-        r.finished = m.Finished(r.id, reason, self._metrics(r))
-        events.append(r.finished)
-        return True
+        joint = req.mode == "joint"
+        chooser, acceptor = self.controls(r.id, r.prompt) if self.controls and joint else (None, None)
+        row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor)
+        s = reuse.restored(r.plan, r.prompt, joint) if reuse else Start()
+        if reuse:
+            row.boundaries = reuse.boundaries(r.plan, s.pos, len(r.prompt))
+            row.on_boundary = lambda n, cache, dcache, dn: reuse.keep_boundary(r.plan, r.prompt[:n], cache, dcache, dn)
+        r.phase = advance(r.phase, Phase.PREFILL)
+        r.row = row
+        self.runner.join(row, s.cache, s.pos, s.draft_cache, s.draft_pos)
 
     def _fail(self, r: QueuedRequest, exc: Exception, events: list) -> None:
-        self._release(r)
+        if r.phase != Phase.DONE:
+            r.phase = advance(r.phase, Phase.DONE)
+        self._release(r, keep=False)
         events.append(m.Error(r.id, "generation_failed", f"generation failed: {type(exc).__name__}: {exc}", 500))
 
-    def _release(self, r: QueuedRequest) -> None:
+    def _release(self, r: QueuedRequest, keep: bool = True) -> None:
         self.scheduler.forget(r.id)
-        if self.parking:
-            self.parking.forget(r.id)
         self._reserved -= r.reserved
         r.reserved = 0
         if r in self._active:
             self._active.remove(r)
-        if r.decoder is not None and r.decoder.stats is not None:
-            self.totals.joint.add(r.decoder.stats)
-        if r.plan is not None and r.finished and r.finished.finish_reason in ("stop", "length") and r.decoder is not None:
-            self.reuse.keep_generation(r.plan, r.decoder.held())  # of the tokens the target cache consumed
-        if r.decoder is not None:
-            r.decoder.close()
-            r.decoder = None
+        if r.row is not None:
+            if r.row.stats is not None:
+                self.totals.joint.add(r.row.stats)
+            if keep and r.plan is not None and r.finished and r.finished.finish_reason in ("stop", "length"):
+                self._keep_generation(r)
+            self.runner.leave(r.id)
+            r.row = None
         self.totals.finished += 1
 
-    def _metrics(self, r: QueuedRequest) -> m.RequestMetrics:
-        n = len(r.tokens)
-        span = r.last_token_at - r.first_token_at
-        out = m.RequestMetrics(
-            mode=r.req.mode, prompt_tokens=len(r.prompt), completion_tokens=n,
-            reused_tokens=r.plan.reused if r.plan else 0,
-            cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
-            decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
-        )
-        if r.decoder is not None and r.decoder.stats is not None:
-            s = r.decoder.stats
-            out.draft, out.cycles, out.drafted, out.accepted = self.draft_id, s.cycles, s.drafted, s.accepted
-            out.rollbacks, out.recovery_s = s.rollbacks, s.recovery_s
-            out.budget_mean = s.drafted / s.cycles if s.cycles else 0.0
-        return out
+    def _keep_generation(self, r: QueuedRequest) -> None:
+        """A snapshot of what the finished request's caches hold (the prompt and its answer)."""
+        if r.id not in self.runner.rows or self.runner.rows[r.id].phase != Phase.DECODE:
+            return
+        tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
+        self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=4, temperature=0.0)
         self.submit("warmup", req)
         if self.draft is not None:
-            self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0, mode="joint"))
+            self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0,
+                                                          mode="joint"))
         while self.has_work():
             self.step()
         self.totals = _Totals()
+        self.emitter.totals = self.totals

@@ -141,41 +141,26 @@ def zero_state(q: mx.array, v: mx.array) -> mx.array:
 
 def every_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, list[mx.array]]:
     """The recurrence keeping the state after every token: (outputs [B, T, Hv, Dv], the states).
-    One launch of this kernel where it runs, else mlx-lm's per-token ops."""
+    One launch of this kernel where it runs, else mlx-lm's ops a token at a time."""
     if available() and fits(q, v):
         y, _, states = recurrence(q, k, v, g, beta, state, mask, keep=True)
         return y, [states[t] for t in range(q.shape[1])]
-    from mlx_lm.models.gated_delta import _gated_delta_step_ops
+    from mlx_lm.models.gated_delta import gated_delta_ops
 
-    T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
-    if (r := Hv // Hk) > 1:
-        q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
     ys, states = [], []
-    for t in range(T):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
-                                         None if mask is None else mask[:, t])
+    for t in range(q.shape[1]):
+        one = slice(t, t + 1)
+        y, state = gated_delta_ops(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state,
+                                   None if mask is None else mask[:, one])
         ys.append(y)
         states.append(state)
-    return mx.stack(ys, axis=1), states
+    return mx.concatenate(ys, axis=1), states
 
 
-def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
-    """mlx-lm's `gated_delta_update` (its gating, this kernel) where the kernel runs."""
-    from mlx_lm.models.gated_delta import compute_g, gated_delta_update as mlx_lm_update
+def final_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, mx.array]:
+    """The recurrence's outputs and its last state: this kernel where it runs, else mlx-lm's ops."""
+    if available() and fits(q, v):
+        return tuple(recurrence(q, k, v, g, beta, state, mask)[:2])
+    from mlx_lm.models.gated_delta import gated_delta_ops
 
-    if kw.get("lower_bound") is not None or kw.get("allow_neg_eigval") or not (available() and fits(q, v)):
-        return mlx_lm_update(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
-    if state is None:
-        state = zero_state(q, v)
-    y, final = recurrence(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
-    return y, final
-
-
-def install() -> bool:
-    """On a CUDA GPU, mlx-lm's Qwen3.5 layers run their recurrence with this kernel; True if so."""
-    from mlx_lm.models import qwen3_5
-
-    if not available():
-        return False
-    qwen3_5.gated_delta_update = gated_delta_update
-    return True
+    return gated_delta_ops(q, k, v, g, beta, state, mask)

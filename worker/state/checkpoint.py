@@ -1,20 +1,15 @@
-"""Model state for the joint path: checkpoints, trimming, and per-position recurrent states.
+"""Per-position recurrent states, and the caches the batch and prefix reuse start from.
 
-Attention KV (mlx-lm KVCache) is trimmed by moving its offset: positions below it are never
-written again, so a checkpoint of it is just the offset. Recurrent state (ArraysCache: the conv
-window and the Gated-DeltaNet state) cannot be trimmed; ArraysCache replaces its arrays on
-update, so a checkpoint holds references to immutable arrays, never an alias of a buffer that a
-later update writes in place.
-
-The fast path needs the recurrent state after every position of a multi-token verify forward.
-`install_recording` gives each Gated-DeltaNet layer a subclass that, when its cache asks for it,
-keeps the conv input and the state after each token (the per-token loop mlx-lm runs off Metal
-computes them anyway; on Metal this path runs that loop instead of the kernel: not run here).
+The batch's fast recovery needs the recurrent state after every position of a verify forward.
+`install_recording` puts a `RecordingGatedDeltaNet` in each Gated-DeltaNet layer's place (a new
+module holding the layer's own weights, set through MLX's module API): when its cache asks for
+it (`cache.record`), it keeps the conv input and the state after each token. On a CUDA GPU it
+also runs every forward's recurrence as one kernel (worker/kernels/gdn.py); elsewhere its plain
+forwards are mlx-lm's own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -26,38 +21,28 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from worker.kernels import gdn as gdn_kernel
 
 
-class RecordingArraysCache(ArraysCache):
-    """An ArraysCache that can keep the per-position states of one forward."""
-
-    def __init__(self, size: int):
-        super().__init__(size)
-        self.record = False
-        self.conv_input: Optional[mx.array] = None  # [B, n_keep + S, C]
-        self.states: Optional[list[mx.array]] = None  # state after token i, i < S
-        self.n_keep = 0
-
-    def keep(self, n: int) -> None:
-        """Sets the state to the one after the first n tokens of the recorded forward."""
-        self.cache[0] = mx.contiguous(self.conv_input[:, n : n + self.n_keep, :])
-        self.cache[1] = self.states[n - 1]
-        self.clear_record()
-
-    def clear_record(self) -> None:
-        self.conv_input, self.states, self.record = None, None, False
-
-
 class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
-    """mlx-lm's GatedDeltaNet, plus a path that records per-position states."""
+    """mlx-lm's GatedDeltaNet, plus a forward that records per-position states."""
+
+    @classmethod
+    def of(cls, layer: qwen3_5.GatedDeltaNet) -> "RecordingGatedDeltaNet":
+        """A recording layer with `layer`'s weights and settings (the layer itself is untouched)."""
+        new = cls.__new__(cls)
+        dict.update(new, layer)  # MLX modules keep their parameters and children as dict items
+        new.__dict__.update(layer.__dict__)
+        return new
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
-        if not (isinstance(cache, RecordingArraysCache) and cache.record):
+        record = bool(getattr(cache, "record", False))
+        if not record and not gdn_kernel.available():
             return super().__call__(inputs, mask, cache)
         B, S, _ = inputs.shape
         qkv = self.in_proj_qkv(inputs)
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_b(inputs), self.in_proj_a(inputs)
         n_keep = self.conv_kernel_size - 1
-        conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
+        conv_state = cache[0] if cache is not None and cache[0] is not None else \
+            mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -71,96 +56,50 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        out, states = _recurrence(q, k, v, a, b, self.A_log, self.dt_bias, cache[1], mask)
-        cache.conv_input, cache.states, cache.n_keep = conv_input, states, n_keep
-        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-        cache[1] = states[-1]
-        cache.advance(S)
+        state = cache[1] if cache is not None else None
+        state = gdn_kernel.zero_state(q, v) if state is None else state
+        g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
+        if record:
+            out, states = gdn_kernel.every_state(q, k, v, beta, g, state, mask)
+            cache.conv_input, cache.states, cache.n_keep = conv_input, states, n_keep
+            final = states[-1]
+        else:
+            out, final = gdn_kernel.final_state(q, k, v, beta, g, state, mask)
+        if cache is not None:
+            cache[0] = _conv_window(conv_input, cache.lengths, S, n_keep)
+            cache[1] = final
         out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
         if self.sharding_group is not None:  # tensor-sharded (worker/distributed): join the ranks' parts
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
 
 
-def _recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
-    """mlx-lm's gated_delta_ops (its gating, the same recurrence), keeping every state."""
-    state = gdn_kernel.zero_state(q, v) if state is None else state
-    return gdn_kernel.every_state(q, k, v, mx.sigmoid(b), compute_g(A_log, a, dt_bias), state, mask)
+def _conv_window(conv_input: mx.array, lengths: Optional[mx.array], S: int, n_keep: int) -> mx.array:
+    """The conv inputs after each row's last real token (mlx-lm's rule for padded rows)."""
+    if lengths is None:
+        return mx.contiguous(conv_input[:, -n_keep:, :])
+    ends = mx.clip(lengths, 0, S)
+    return mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
 
 
 def install_recording(model) -> bool:
-    """Lets the model's Gated-DeltaNet layers record per-position states; True if it has any.
-    On a CUDA GPU their recurrence then runs as one kernel a forward (worker/kernels/gdn.py)."""
+    """Puts a recording layer in each Gated-DeltaNet layer's place; True if the model has any."""
     found = False
     for layer in getattr(model, "layers", []):
         attn = getattr(layer, "linear_attn", None)
-        if isinstance(attn, qwen3_5.GatedDeltaNet):
-            attn.__class__ = RecordingGatedDeltaNet
+        if isinstance(attn, qwen3_5.GatedDeltaNet) and not isinstance(attn, RecordingGatedDeltaNet):
+            layer.linear_attn = RecordingGatedDeltaNet.of(attn)
             found = True
-    if found:
-        gdn_kernel.install()
     return found
 
 
 def make_cache(model) -> list:
-    """The model's prompt cache, with recording ArraysCaches; refuses caches it cannot recover."""
+    """The model's prompt cache; refuses caches that cannot be snapshotted (rotating, quantized)."""
     cache = make_prompt_cache(model)
-    out = []
     for c in cache:
-        if type(c) is ArraysCache:
-            c = RecordingArraysCache(len(c.cache))
-        elif type(c) is not KVCache:
-            raise ValueError(f"the joint path cannot recover a {type(c).__name__}")
-        out.append(c)
-    return out
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """KV offsets and references to the (immutable) recurrent arrays."""
-
-    offsets: tuple
-    arrays: tuple
-
-
-def checkpoint(cache: list) -> Checkpoint:
-    return Checkpoint(
-        tuple(c.offset if isinstance(c, KVCache) else None for c in cache),
-        tuple(tuple(c.cache) if isinstance(c, ArraysCache) else None for c in cache),
-    )
-
-
-def rollback(cache: list, ck: Checkpoint) -> None:
-    for c, off, arrays in zip(cache, ck.offsets, ck.arrays):
-        if isinstance(c, KVCache):
-            c.trim(c.offset - off)
-        else:
-            c.cache = list(arrays)
-
-
-def set_record(cache: list, on: bool) -> None:
-    for c in cache:
-        if isinstance(c, RecordingArraysCache):
-            c.record = on
-
-
-def keep_recorded(cache: list, consumed: int, keep: int) -> None:
-    """After a recorded forward of `consumed` tokens, keeps the state after the first `keep`."""
-    for c in cache:
-        if isinstance(c, KVCache):
-            c.trim(consumed - keep)
-        elif isinstance(c, RecordingArraysCache):
-            if keep == consumed:
-                c.clear_record()
-            else:
-                c.keep(keep)
-
-
-def prefill(model, cache: list, tokens: list[int], step: int = 512) -> None:
-    """Feeds tokens into the cache in chunks of `step`, evaluating each chunk."""
-    for i in range(0, len(tokens), step):
-        model(mx.array(tokens[i : i + step])[None], cache=cache)
-        mx.eval(cache_arrays(cache))
+        if type(c) is not KVCache and not isinstance(c, ArraysCache):
+            raise ValueError(f"prefix reuse cannot keep a {type(c).__name__}")
+    return cache
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
@@ -173,30 +112,6 @@ def cache_arrays(cache: list) -> list[mx.array]:
         else:
             out += [a for a in c.cache if a is not None]
     return out
-
-
-def eval_state(cache: list) -> None:
-    """Evaluates whatever of the state is still lazy (after a recovery). It evaluates the state's
-    own arrays, whole KV buffers included, and not the views cache_arrays() makes: those are new
-    ops, two per attention layer, at every evaluation (on CPU, 6 layers: 60-170 us against 1-2 us,
-    most of what a fast-path recovery cost). What gets computed is the same."""
-    out = []
-    for c in cache:
-        if isinstance(c, KVCache):
-            if c.keys is not None:
-                out += [c.keys, c.values]
-        else:
-            out += [a for a in c.cache if a is not None]
-    mx.eval(out)
-
-
-def eval_recovered(cache: list) -> None:
-    """After a recovery: on the CPU, evaluates the recovered state at once, so recovery time is
-    what it costs (MLX's CPU evaluation waits for the work either way); on a GPU leaves it lazy,
-    for the next forward to compute: an evaluation there waits for the device, which then idles
-    while the host builds the next cycle's graph."""
-    if mx.default_device() == mx.cpu:
-        eval_state(cache)
 
 
 def state_nbytes(cache: list) -> int:

@@ -53,12 +53,13 @@ class Start:
 
 @dataclass
 class Held:
-    """What a finished request's caches hold: its target cache exactly `tokens`, its drafter (a
-    joint request's) a prefix of them."""
+    """What a finished request's caches hold: its target's exactly `tokens`, its draft's (a joint
+    request's) the first `draft_tokens` of them."""
 
     tokens: list[int]
     cache: list
-    drafter: Optional[object] = None
+    draft_cache: Optional[list] = None
+    draft_tokens: int = 0
 
 
 def entry_id(identity: str, tokens: list[int]) -> str:
@@ -97,15 +98,6 @@ class PrefixCache:
         return Plan(self.identity(req.thinking), message_boundaries(self.tokenizer, req, prompt))
 
     # ---- start of a request ----
-
-    def keep_joint_boundary(self, plan: Plan, tokens: list[int], cache: list, drafter) -> None:
-        """A joint request's prefill reached a boundary: its draft feeds the prompt on to it, and
-        both caches are kept there. Reuse never fails a request: an error is logged, no more."""
-        try:
-            drafter.catch_up(tokens, keep=0)
-            self.keep_boundary(plan, tokens, cache, drafter.cache, len(drafter.consumed))
-        except Exception:
-            log.exception("prefix reuse failed to keep a boundary")
 
     def restored(self, plan: Plan, prompt: list[int], joint: bool) -> Start:
         """Caches holding the longest prefix a snapshot has (fresh ones where none has)."""
@@ -170,11 +162,7 @@ class PrefixCache:
 
     def keep_generation(self, plan: Plan, held: Held) -> None:
         """The end of a generation: a snapshot of what its caches hold."""
-        tokens, cache, drafter = held.tokens, held.cache, held.drafter
-        draft_tokens = 0
-        if drafter is not None and drafter.consumed == tokens[: len(drafter.consumed)]:
-            draft_tokens = len(drafter.consumed)
-        self.keep(plan.identity, tokens, "generation", cache, drafter.cache if drafter else None, draft_tokens)
+        self.keep(plan.identity, held.tokens, "generation", held.cache, held.draft_cache, held.draft_tokens)
 
     # ---- stats and upkeep ----
 

@@ -30,10 +30,9 @@ from typing import Optional
 
 import mlx.core as mx
 import msgspec
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from protocol import messages as m
-from worker.state.checkpoint import RecordingArraysCache
 
 log = logging.getLogger("verity.worker")
 FORMAT = "verity-snapshot-2"  # 2: the checksum covers the header too
@@ -67,7 +66,7 @@ def restore(state: State, length: int) -> list:
                 c.offset = length
                 copies += [c.keys, c.values]
         else:
-            c = RecordingArraysCache(len(arrays))
+            c = ArraysCache(len(arrays))
             c.cache = list(arrays)
         cache.append(c)
     mx.eval(copies)

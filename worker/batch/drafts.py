@@ -1,0 +1,140 @@
+"""The draft's proposals for a round, in batched forwards of the draft's slot batch, and its
+recovery to what the target accepted.
+
+The draft holds a prefix of the target's tokens; a joint row drafting k first feeds what it
+lacks (at least the pending token y) in one forward, then proposes one token a forward. Rows not
+drafting this round ride along with width 0 (their state is left as it was). After each forward
+the recurrent arrays are kept by reference, so each row's state after its accepted length is
+picked, not recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+from worker.batch.rows import Row
+from worker.batch.select import context, simple
+from worker.batch.slotbatch import SlotBatch
+from worker.joint.sampling import token_probs
+from worker.sampling import process
+
+CATCH_UP_LAG = 4  # a draft lagging more tokens than this first feeds them in a forward of their own
+
+
+@dataclass
+class Drafts:
+    """A round's proposals: `tokens` [B, K] in the draft batch's decode order (past a row's k:
+    padding), each row's k, its draft probabilities (sampled rows) and how to recover."""
+
+    ids: list[str]
+    ks: list[int]
+    tokens: mx.array
+    probs: dict[str, list] = field(default_factory=dict)
+    lags: list[int] = field(default_factory=list)  # tokens each row fed before proposing (y among them)
+    steps: list[list] = field(default_factory=list)  # per forward: the recurrent arrays after it
+    bases: list[int] = field(default_factory=list)  # each row's draft length before the round
+
+    def k(self, rid: str) -> int:
+        return self.ks[self.ids.index(rid)] if rid in self.ids else 0
+
+
+def lag(batch: SlotBatch, row: Row) -> int:
+    """Tokens the row's draft must feed before its first proposal (the pending one among them)."""
+    return len(row.seq) + 1 - batch.lengths[row.id]
+
+
+def catch_up(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int]) -> int:
+    """Drafting rows more than CATCH_UP_LAG behind feed all they lack but the pending token, in
+    one forward; the tokens fed (0: none was behind)."""
+    feeds = [row.seq[batch.lengths[rid]:] if k and lag(batch, row) > CATCH_UP_LAG else []
+             for rid, k, row in ((r, k, rows[r]) for r, k in zip(ids, ks))]
+    width = max(map(len, feeds))
+    if not width:
+        return 0
+    x = mx.array([f + [0] * (width - len(f)) for f in feeds])
+    f = batch.forward(ids, x, [len(f) for f in feeds])
+    batch.commit(f, [len(f) for f in feeds])
+    return sum(map(len, feeds))
+
+
+def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int], ys: mx.array) -> Drafts:
+    """Proposes ks[i] tokens for each of the draft batch's decode rows `ids` (ys [B]: their
+    pending tokens, still computing or known)."""
+    bases = [batch.lengths[r] for r in ids]
+    lags = [lag(batch, rows[r]) if k else 0 for r, k in zip(ids, ks)]
+    width = max(lags)
+    known = [rows[r].seq[b:] + [0] * (width - n + 1) for r, b, n in zip(ids, bases, lags)]
+    x = mx.array([kn[:width] for kn in known], dtype=mx.uint32)
+    at = [max(n - 1, 0) for n in lags]
+    x[mx.arange(len(ids)), mx.array(at)] = ys.astype(mx.uint32)  # each row's pending token after what it lacks
+    drafts = Drafts(ids, ks, mx.zeros((len(ids), 0), mx.uint32), lags=lags, bases=bases)
+    chosen, widths = [], lags
+    for j in range(max(ks)):
+        f = batch.forward(ids, x, widths)
+        batch.commit(f, widths)
+        drafts.steps.append([list(a) for a in batch.recurrent_rows(f.span)])
+        last = mx.array([max(w - 1, 0) for w in widths]) if j == 0 else mx.zeros(len(ids), mx.int32)
+        logits = f.logits[mx.arange(len(ids)), last]
+        toks = _choose(rows, ids, ks, j, logits, ys, chosen, drafts)
+        chosen.append(toks)
+        x = toks[:, None]
+        widths = [int(j + 1 < k) for k in ks]
+    drafts.tokens = mx.stack(chosen, axis=1) if chosen else drafts.tokens
+    return drafts
+
+
+def _choose(rows: dict[str, Row], ids: list[str], ks: list[int], j: int, logits: mx.array, ys: mx.array,
+            chosen: list[mx.array], drafts: Drafts) -> mx.array:
+    """Step j's proposal of every row [B] (rows past their k: anything)."""
+    live = [i for i, k in enumerate(ks) if j < k]
+    if all(simple(rows[ids[i]]) and rows[ids[i]].chooser is None for i in live):
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    out = []
+    for i, (rid, k) in enumerate(zip(ids, ks)):
+        if j >= k:
+            out.append(mx.zeros((1,), mx.uint32))
+            continue
+        row = rows[rid]
+        lg = logits[i]
+        ctx = context(row, ys[i: i + 1], *[c[i] for c in chosen])
+        if ctx is not None:
+            lg = process(row.sampling.processors, ctx, lg[None])[0]
+        position = row.output_position + 1 + j
+        if row.chooser is not None:
+            tok, q = row.chooser(lg, position)
+        elif row.sampling.params.greedy:
+            tok, q = mx.argmax(lg, keepdims=True), None
+        else:
+            q = token_probs(lg, row.sampling.params)
+            tok = mx.random.categorical(mx.log(q), key=row.key())[None]
+        drafts.probs.setdefault(rid, []).append(q)
+        out.append(tok.reshape(1).astype(mx.uint32))
+    return mx.concatenate(out)
+
+
+def recover(batch: SlotBatch, drafts: Drafts, accepted: dict[str, int]) -> None:
+    """Each drafting row's draft keeps what it fed that the target kept: what it lacked and its
+    proposals up to the first rejected one (the last proposal it never fed)."""
+    ids, steps = drafts.ids, drafts.steps
+    if not steps:
+        return
+    pick = [min(accepted.get(r, 0), max(k - 1, 0)) if k else len(steps) - 1 for r, k in zip(ids, drafts.ks)]
+    if any(p < len(steps) - 1 for p in pick):
+        at = mx.array(pick)
+        rows = mx.arange(len(ids))
+        layers = []
+        for e in range(len(steps[0])):
+            arrays = []
+            for a in range(len(steps[0][e])):
+                if steps[0][e][a] is None:
+                    arrays.append(None)
+                    continue
+                arrays.append(mx.stack([s[e][a] for s in steps])[at, rows])
+            layers.append(arrays)
+        batch.put_recurrent(ids, layers)
+    for r, k, p, base, n in zip(ids, drafts.ks, pick, drafts.bases, drafts.lags):
+        if k:
+            batch.lengths[r] = base + n + p

@@ -1,0 +1,233 @@
+"""Slot caches: every active row's model state in one batch, each row in its own slot.
+
+An attention layer keeps one slab of keys and values, [slots, heads, capacity, dim]; a row's
+first `length` positions are its tokens. A forward writes each row's new keys at that row's own
+length (a scatter, or one slice where every row has the same length) and masks what lies past
+each row's position, so a rejected draft is only a row length lowered: what it wrote past there
+is masked now and overwritten later. A recurrent layer (Gated-DeltaNet) keeps its arrays with
+one row a slot; the forward's per-row lengths keep padded positions from changing them, and a
+wide forward records the state after every position, so each row keeps the one after its own
+accepted length.
+
+The views passed to the model implement mlx-lm's cache protocol (`offset`, `update_and_fetch`,
+`make_mask`; `cache[0]`, `cache[1]`, `lengths` for recurrent layers), so mlx-lm's model code runs
+unchanged on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+STEP = 256  # positions a slab grows by
+
+
+@dataclass(frozen=True)
+class Span:
+    """The slots [start, stop) of one forward, each row's length before it and its real width."""
+
+    start: int
+    stop: int
+    lengths: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def width(self) -> int:
+        return max(self.widths, default=0)
+
+    @property
+    def even(self) -> bool:
+        """Every row at one length and one width: plain slices, no scatter or mask."""
+        return len(set(self.lengths)) <= 1 and len(set(self.widths)) <= 1
+
+
+class SlotKV:
+    """One attention layer's keys and values for every slot. `window`: a sliding-window layer
+    (mlx-lm's RotatingKVCache); the slab keeps every position and the mask hides the old ones."""
+
+    def __init__(self, window: Optional[int] = None):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.window = window
+
+    def reserve(self, slots: int, positions: int, like: Optional[tuple[mx.array, mx.array]] = None) -> None:
+        """Room for `slots` rows of `positions` each (grown, never shrunk; `like` gives the shape
+        and dtype of the first arrays)."""
+        if self.keys is None:
+            if like is None:
+                return
+            k, v = like
+            self.keys = mx.zeros((slots, k.shape[1], _round(positions), k.shape[3]), k.dtype)
+            self.values = mx.zeros((slots, v.shape[1], _round(positions), v.shape[3]), v.dtype)
+            return
+        s, h, cap, d = self.keys.shape
+        if positions > cap:
+            grow = _round(positions) - cap
+            self.keys = mx.concatenate([self.keys, mx.zeros((s, h, grow, d), self.keys.dtype)], axis=2)
+            self.values = mx.concatenate([self.values, mx.zeros((s, self.values.shape[1], grow, self.values.shape[3]),
+                                                                self.values.dtype)], axis=2)
+        if slots > self.keys.shape[0]:
+            extra = slots - self.keys.shape[0]
+            self.keys = mx.concatenate([self.keys, mx.zeros((extra, *self.keys.shape[1:]), self.keys.dtype)])
+            self.values = mx.concatenate([self.values, mx.zeros((extra, *self.values.shape[1:]), self.values.dtype)])
+
+    def write(self, span: Span, offsets: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Each row's W new positions at its own length."""
+        w = keys.shape[2]
+        self.reserve(span.stop, max(span.lengths) + w, (keys, values))
+        if span.even:
+            n = span.lengths[0]
+            self.keys[span.start: span.stop, :, n: n + w, :] = keys
+            self.values[span.start: span.stop, :, n: n + w, :] = values
+            return
+        rows = mx.arange(span.start, span.stop)[:, None]
+        pos = offsets[:, None] + mx.arange(w)[None]
+        self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)
+        self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
+
+    def fetch(self, span: Span, upto: int) -> tuple[mx.array, mx.array]:
+        return self.keys[span.start: span.stop, :, :upto, :], self.values[span.start: span.stop, :, :upto, :]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        if self.keys is None or length == 0:
+            return
+        self.keys[dst: dst + 1, :, :length, :] = self.keys[src: src + 1, :, :length, :]
+        self.values[dst: dst + 1, :, :length, :] = self.values[src: src + 1, :, :length, :]
+
+    def row(self, slot: int, length: int) -> KVCache:
+        """A copy of a row as mlx-lm's KVCache (a snapshot's form)."""
+        c = KVCache()
+        if self.keys is not None and length:
+            c.keys = mx.array(self.keys[slot: slot + 1, :, :length, :])
+            c.values = mx.array(self.values[slot: slot + 1, :, :length, :])
+            c.offset = length
+        return c
+
+    def put(self, slot: int, c: KVCache, length: int) -> None:
+        """A row from mlx-lm's KVCache holding at least `length` positions."""
+        if c.keys is None or length == 0:
+            return
+        k, v = c.keys[..., :length, :], c.values[..., :length, :]
+        self.reserve(slot + 1, length, (k, v))
+        self.keys[slot: slot + 1, :, :length, :] = k
+        self.values[slot: slot + 1, :, :length, :] = v
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def _round(n: int) -> int:
+    return max(STEP, (n + STEP - 1) // STEP * STEP)
+
+
+class KVView:
+    """mlx-lm's attention-cache protocol over one forward's rows of a SlotKV."""
+
+    def __init__(self, slab: SlotKV, span: Span, offsets: mx.array):
+        self.slab, self.span, self.offset = slab, span, offsets
+        self.upto = max(span.lengths) + span.width
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.slab.write(self.span, self.offset, keys, values)
+        return self.slab.fetch(self.span, self.upto)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Query i of row r (position length_r + i) sees keys at positions up to its own, and
+        within the window on sliding layers."""
+        window = window_size or self.slab.window
+        if self.span.even and window is None and not return_array:
+            return None if n == 1 else "causal"
+        q = self.offset[:, None] + mx.arange(n)[None]  # [B, n]
+        k = mx.arange(self.upto)
+        mask = k[None, None, :] <= q[:, :, None]
+        if window is not None:
+            mask = mask & (k[None, None, :] > q[:, :, None] - window)
+        return mask[:, None]
+
+    @property
+    def state(self):
+        return self.slab.fetch(self.span, self.upto)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class SlotArrays:
+    """One recurrent layer's arrays (conv window, state), one row a slot, for the live rows only."""
+
+    def __init__(self, size: int):
+        self.arrays: list[Optional[mx.array]] = [None] * size
+
+    def rows(self, span: Span) -> list[Optional[mx.array]]:
+        return [None if a is None else a[span.start: span.stop] for a in self.arrays]
+
+    def set_rows(self, span: Span, new: list[Optional[mx.array]], total: int) -> None:
+        """A forward's arrays for its rows back in place (all rows: replaced)."""
+        for e, a in enumerate(new):
+            if a is None:
+                continue
+            old = self.arrays[e]
+            if span.start == 0 and span.stop == total:
+                self.arrays[e] = a
+                continue
+            if old is None:
+                old = mx.zeros((total, *a.shape[1:]), a.dtype)
+            self.arrays[e] = mx.concatenate([old[: span.start], a.astype(old.dtype), old[span.stop:]])
+
+    def apply(self, order: list[int], fresh: dict[int, list]) -> None:
+        """Rows rearranged: new row i is old row order[i], or (-1) a joining row's arrays from
+        `fresh` (zeros where it has none: the state before any token)."""
+        for e, a in enumerate(self.arrays):
+            like = a if a is not None else next((f[e] for f in fresh.values() if f and f[e] is not None), None)
+            if like is None:
+                continue
+            parts = []
+            for i, src in enumerate(order):
+                f = fresh.get(i)
+                if src >= 0 and a is not None:
+                    parts.append(a[src: src + 1])
+                elif f and f[e] is not None:
+                    parts.append(f[e].astype(like.dtype))
+                else:
+                    parts.append(mx.zeros((1, *like.shape[1:]), like.dtype))
+            self.arrays[e] = mx.concatenate(parts) if parts else None
+
+    def row(self, slot: int) -> list[Optional[mx.array]]:
+        return [None if a is None else a[slot: slot + 1] for a in self.arrays]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+
+class StateView(ArraysCache):
+    """mlx-lm's recurrent-cache protocol over one forward's rows: `lengths` are the rows' real
+    widths (padded positions leave the state as it was); with `record`, the layer keeps the conv
+    input and the state after every position (worker/state/checkpoint.py's recording layer)."""
+
+    def __init__(self, arrays: list[Optional[mx.array]], widths: Optional[mx.array], record: bool):
+        super().__init__(len(arrays))
+        self.cache = list(arrays)
+        self.lengths = widths
+        self.record = record
+        self.conv_input: Optional[mx.array] = None  # [B, n_keep + W, C], when recorded
+        self.states: Optional[list[mx.array]] = None  # the state after position t, t < W
+        self.n_keep = 0
+
+    def advance(self, n: int) -> None:
+        pass  # the batch keeps each row's length; `lengths` stay the forward's widths
+
+    def kept(self, keep: mx.array) -> list[mx.array]:
+        """The arrays after each row's first keep[r] positions (keep[r] >= 1), from the record."""
+        conv = mx.take_along_axis(self.conv_input, (keep[:, None] + mx.arange(self.n_keep)[None])[..., None], axis=1)
+        states = mx.stack(self.states)  # [W, B, ...]
+        state = states[keep - 1, mx.arange(keep.shape[0])]
+        return [conv, state]
