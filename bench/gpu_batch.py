@@ -1,12 +1,15 @@
 """`verity bench gpu-batch`: many requests at real sizes on a GPU (Qwen3.5-9B target, 0.8B draft
 shapes, random weights; `--small` shrinks them for a check anywhere).
 
-At each N, alternated over the repeats in one run: mlx-lm's `BatchGenerator` on N prompts; verity's
-batched round (worker/round.py, as the engine runs it) on the same prompts, every row baseline;
-and every row joint with the adaptive scheduler, its draft accepting α of the target's tokens by
-construction (bench/drafters.py, ForcedDrafter: random weights accept nothing on their own). The
-aggregate decode tokens/s counts from the round where every row has its first token. The batched
-roofline: one step reads the weights once and each row's cache (KV of its context, recurrent state).
+At each N, alternated over the repeats in one run: mlx-lm's `BatchGenerator` on N prompts;
+verity's batch (worker/batch/, the engine's round) with every row baseline ("plain"); every row
+joint under the adaptive scheduler, its draft accepting α of the target's tokens by construction
+(bench/drafters.py: random weights accept nothing on their own), for each α asked; and at the
+`--mixed` sizes half the rows joint (α the first one), half baseline. Each joint configuration's
+scheduler starts cold at the first timed repeat and is kept across the repeats, as a server's is:
+its figure is every repeat's tokens over every repeat's time, probes included, and each repeat's
+drafted and accepted tokens are printed. Decode tokens/s count from the round where every row has
+its first token. The batched roofline: one step reads the weights once and each row's cache.
 """
 
 from __future__ import annotations
@@ -20,15 +23,21 @@ from dataclasses import dataclass
 from bench import common as bench
 
 NS = (1, 8, 32, 64)
-GOALS = dict(roofline_at_32=0.50, vs_batch_generator=1.0, adaptive_vs_plain=0.97)
+GOALS = dict(roofline_at_32=0.50, vs_batch_generator=1.0,
+             adaptive_vs_plain={1: 1.4, 8: 1.25, 32: 1.1, 64: 0.97}, low_alpha=0.97, mixed=0.97)
 
 
 @dataclass
 class Run:
-    tokens_per_s: float
     tokens: list[list[int]]
+    decoded: int  # tokens after every row had its first
+    seconds: float  # from then to the end
     drafted: int = 0
     accepted: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded / self.seconds if self.seconds > 0 else 0.0
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -56,61 +65,49 @@ def batch_generator(model, prompts: list[list[int]], n_tokens: int) -> Run:
                 t0, counted = time.perf_counter(), sum(map(len, out))
     wall = time.perf_counter() - t0
     gen.close()
-    return Run((sum(map(len, out)) - counted) / wall, out)
+    return Run(out, sum(map(len, out)) - counted, wall)
 
 
-def verity_round(target, prompts: list[list[int]], n_tokens: int, draft=None, reference=None,
-                 alpha: float = 0.8, vocab: int = 0, sched=None) -> Run:
-    """verity's engine round over the prompts: baseline rows in one BaselineBatch, or (with a
-    draft) joint rows under the adaptive scheduler (`sched`, kept warm across runs as a server's
-    is), batched and parked as the engine does."""
+def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, reference=None, alpha: float = 0.8,
+               vocab: int = 0, sched=None, joint_every: int = 1, draft_forward=None) -> Run:
+    """The engine's round over the prompts: every row baseline, or (with a draft) every
+    `joint_every`-th row joint under `sched` with acceptance α by construction; `draft_forward`:
+    the draft's forward as the engine runs it (worker/kernels/fast_draft.py where it runs)."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    from bench.drafters import ForcedDecoder, ForcedDrafter
-    from worker.baseline import BaselineBatch, BaselineRow
-    from worker.joint.batch import joint_round
-    from worker.joint.guests import round_groups
-    from worker.joint.parked import Parking
-    from worker.joint.sampling import SamplingParams
-    from worker.round import Row, plan_round, run_round
+    from bench.drafters import Controlled
+    from worker.batch.rows import Row
+    from worker.batch.runner import BatchRunner, play
+    from worker.joint.sampling import make_key_fn
+    from worker.sampling import RowSampling
     from worker.scheduler import Scheduler
 
-    batch = BaselineBatch(target, 2048, len(prompts))
-    sched, parking = sched or Scheduler(), Parking(batch)
-    decoders = {}
+    runner, sched = BatchRunner(target, draft, 2048, draft_forward=draft_forward), sched or Scheduler()
+    out: dict[str, list[int]] = {}
+    rows = {}
     for i, p in enumerate(prompts):
-        if draft is None:
-            decoders[f"r{i}"] = BaselineRow(batch, p, 0.0, 1.0, None)
-        else:
-            drafter = ForcedDrafter(draft, reference[i], lambda _: alpha, vocab, recovery="fast")
-            decoders[f"r{i}"] = ForcedDecoder(target, drafter, p, SamplingParams(), recovery="fast")
-    out = {rid: [] for rid in decoders}
-
-    def emit(row: Row, tokens: list[int]) -> int:
-        keep = min(len(tokens), n_tokens - len(out[row.request_id]))
-        out[row.request_id].extend(tokens[:keep])
-        return keep
-
-    def fail(row: Row, e: Exception) -> None:
-        raise e
-
-    active, t0, counted = dict(decoders), None, 0
+        joint = draft is not None and i % joint_every == 0
+        c = Controlled(reference[i], lambda _: alpha, vocab, seed=i) if joint else None
+        row = Row(f"r{i}", p, RowSampling(), make_key_fn(0), joint=joint, chooser=c and c.choose,
+                  acceptor=c and c.accept_by_intent)
+        rows[row.id], out[row.id] = row, []
+        runner.join(row)
+    t0 = counted = None
     with mx.stream(generation_stream):
-        while active:
-            rows = [Row(rid, d, n_tokens - len(out[rid])) for rid, d in active.items()]
-            sr = plan_round(rows, sched, True)
-            parking.apply(sr, fail)
-            sched.observe(run_round(sr, emit, fail, round_groups(sr, batch, joint_round)))
+        while runner.rows:
+            rnd = play(runner, sched, lambda rid: n_tokens - len(out[rid]))
+            for o in rnd.decoded.outcomes:
+                out[o.id] += o.tokens[: n_tokens - len(out[o.id])]
+            sched.observe(rnd.report())
             if t0 is None and all(out.values()):
                 t0, counted = time.perf_counter(), sum(map(len, out.values()))
-            for rid in [rid for rid in active if len(out[rid]) >= n_tokens]:
-                active.pop(rid).close()
+            for rid in [rid for rid in runner.rows if len(out[rid]) >= n_tokens]:
+                runner.leave(rid)
                 sched.forget(rid)
-                parking.forget(rid)
     wall = time.perf_counter() - t0
-    stats = [d.stats for d in decoders.values() if d.stats is not None]
-    return Run((sum(map(len, out.values())) - counted) / wall, list(out.values()),
+    stats = [r.stats for r in rows.values() if r.stats is not None]
+    return Run(list(out.values()), sum(map(len, out.values())) - counted, wall,
                sum(s.drafted for s in stats), sum(s.accepted for s in stats))
 
 
@@ -122,11 +119,44 @@ def roofline(target, copy_bps: float, weight_bytes: int, n: int, context: int) -
     return n * copy_bps / (weight_bytes + n * cost.worst_case(context))
 
 
+def _configs(args: argparse.Namespace, n: int) -> list[tuple[str, float, int]]:
+    """(name, α, every how many rows one is joint) of each joint configuration at this N."""
+    out = [(f"adaptive α={a}", a, 1) for a in args.alphas]
+    if n in args.mixed and n > 1:
+        out.append((f"mixed α={args.alphas[0]}", args.alphas[0], 2))
+    return out
+
+
+def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
+    """Every configuration at N, alternated over the repeats; kernels warmed first, untimed."""
+    from worker.kernels import fast_draft
+    from worker.scheduler import Scheduler
+
+    forward = fast_draft.where_it_runs(draft)  # as the engine runs a draft
+
+    prompts = _prompts(n, args.prompt_tokens, vocab)
+    batch_generator(target, prompts, 4)
+    ref = verity_run(target, prompts, args.tokens).tokens
+    configs = _configs(args, n)
+    verity_run(target, prompts, args.tokens, draft, ref, args.alphas[0], vocab, Scheduler(), 1, forward)  # scheduler dropped
+    runs: dict[str, list[Run]] = {"bg": [], "plain": [], **{c: [] for c, _, _ in configs}}
+    scheds = {c: Scheduler() for c, _, _ in configs}  # cold at the first timed repeat
+    for rep in range(args.repeats):
+        runs["bg"].append(batch_generator(target, prompts, args.tokens))
+        runs["plain"].append(verity_run(target, prompts, args.tokens))
+        for c, alpha, every in configs:
+            runs[c].append(verity_run(target, prompts, args.tokens, draft, ref, alpha, vocab, scheds[c], every, forward))
+        bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
+            f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
+            for k, v in runs.items()))
+    return runs
+
+
 def run_gpu_batch(args: argparse.Namespace) -> int:
     from worker.backend_env import apply
 
     apply()
-    from bench import gpu_rounds as gb
+    from bench import gpu_models as gb
 
     tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
     if args.small:
@@ -137,71 +167,89 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
     copy_bps = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30)
     weight_bytes = gb.bytes_per_token(target, tcfg)
     vocab = tcfg["vocab_size"]
-    fig: dict = {"device": gb.device(), "copy_bandwidth_GBps": copy_bps / 1e9, "ns": {}, "alpha": args.alpha}
+    fig: dict = {"device": gb.device(), "copy_bandwidth_GBps": copy_bps / 1e9, "ns": {}, "alphas": args.alphas}
     rows = []
     for n in args.ns:
-        prompts = _prompts(n, args.prompt_tokens, vocab)
-        from worker.scheduler import Scheduler
-
-        batch_generator(target, prompts, 4)  # every shape of this N once before timing, and a warm scheduler
-        ref = verity_round(target, prompts, args.tokens).tokens
-        sched = Scheduler()
-        verity_round(target, prompts, args.tokens, draft, ref, args.alpha, vocab, sched)
-        runs: dict[str, list[Run]] = {"bg": [], "plain": [], "adaptive": []}
-        for rep in range(args.repeats):
-            runs["bg"].append(batch_generator(target, prompts, args.tokens))
-            runs["plain"].append(verity_round(target, prompts, args.tokens))
-            runs["adaptive"].append(verity_round(target, prompts, args.tokens, draft, ref, args.alpha, vocab, sched))
-            bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(f"{k} {v[-1].tokens_per_s:.1f}" for k, v in runs.items()))
-        fig["ns"][n] = _figures(runs, roofline(target, copy_bps, weight_bytes, n, args.prompt_tokens + args.tokens // 2))
-        f = fig["ns"][n]
-        rows.append((str(n), f"{f['bg']:.1f}", f"{f['plain']:.1f}", f"{f['plain_vs_bg']:.2f} {f['plain_vs_bg_pairs']}",
-                     f"{f['plain_vs_roofline']:.0%}", f"{f['adaptive']:.1f}",
-                     f"{f['adaptive_vs_plain']:.2f} {f['adaptive_vs_plain_pairs']}", f"{f['acceptance']:.2f}",
-                     str(f["rows_equal_bg"])))
+        runs = _measure(args, target, draft, vocab, n)
+        roof = roofline(target, copy_bps, weight_bytes, n, args.prompt_tokens + args.tokens // 2)
+        fig["ns"][n] = f = _figures(runs, roof)
+        for name, c in f["configs"].items():
+            rows.append((str(n), name, f"{c['tokens_per_s']:.1f}", c["per_repeat"], c.get("vs", ""),
+                         c.get("drafted", "")))
     fig["goals"] = _goals(fig)
-    fig["ratio"] = min(f["plain_vs_bg"] for f in fig["ns"].values())
-    bench.print_report("verity bench gpu-batch", rows, ("N", "BG tok/s", "plain tok/s", "plain ÷ BG (pairs)", "roofline",
-                                                        "adaptive tok/s", "adaptive ÷ plain (pairs)", "accept", "= BG rows"),
-                       fig, args.json, _footer(fig))
+    fig["ratio"] = min(f["configs"]["plain"]["vs_bg"] for f in fig["ns"].values())
+    bench.print_report("verity bench gpu-batch", rows, ("N", "configuration", "tok/s (all repeats)",
+                                                        "tok/s per repeat", "ratio (whole run; pairs)",
+                                                        "drafted/accepted per repeat"), fig, args.json, _footer(fig))
     return 0
 
 
-def _figures(runs: dict[str, list["Run"]], roof: float) -> dict:
-    med = {k: statistics.median(r.tokens_per_s for r in v) for k, v in runs.items()}
-    pairs = lambda a, b: [round(x.tokens_per_s / y.tokens_per_s, 3) for x, y in zip(runs[a], runs[b])]
-    joint = runs["adaptive"]
-    drafted = sum(r.drafted for r in joint)
-    return dict(bg=med["bg"], plain=med["plain"], adaptive=med["adaptive"], roofline_tps=roof,
-                plain_vs_roofline=med["plain"] / roof,
-                plain_vs_bg=statistics.median(pairs("plain", "bg")), plain_vs_bg_pairs=pairs("plain", "bg"),
-                adaptive_vs_plain=statistics.median(pairs("adaptive", "plain")),
-                adaptive_vs_plain_pairs=pairs("adaptive", "plain"),
-                acceptance=sum(r.accepted for r in joint) / drafted if drafted else 0.0,
-                drafted_per_token=drafted / sum(len(t) for r in joint for t in r.tokens),
-                rows_equal_bg=sum(a == b for a, b in zip(runs["plain"][0].tokens, runs["bg"][0].tokens)))
+def _whole(runs: list[Run]) -> float:
+    return sum(r.decoded for r in runs) / sum(r.seconds for r in runs)
+
+
+def _figures(runs: dict[str, list[Run]], roof: float) -> dict:
+    """Each configuration's tokens/s over all its repeats, each repeat's, and its ratio to the one
+    it is measured against (BatchGenerator for plain, plain for the joint ones): whole-run, and
+    each repeat's pair."""
+    out: dict = {"roofline_tps": roof, "configs": {}}
+    for name, rs in runs.items():
+        c = {"tokens_per_s": _whole(rs), "per_repeat": " ".join(f"{r.tokens_per_s:.1f}" for r in rs)}
+        base = {"bg": None, "plain": "bg"}.get(name, "plain")
+        if base:
+            pairs = [round(a.tokens_per_s / b.tokens_per_s, 3) for a, b in zip(rs, runs[base])]
+            c["vs_" + base] = _whole(rs) / _whole(runs[base])
+            c["pairs"] = pairs
+            c["vs"] = f"{c['vs_' + base]:.2f} ÷ {base}; {pairs}"
+        if any(r.drafted for r in rs) or name not in ("bg", "plain"):
+            c["drafted"] = " ".join(f"{r.drafted}/{r.accepted}" for r in rs)
+            c["acceptance"] = sum(r.accepted for r in rs) / max(1, sum(r.drafted for r in rs))
+        out["configs"][name] = c
+    out["plain_vs_roofline"] = out["configs"]["plain"]["tokens_per_s"] / roof
+    out["rows_equal_bg"] = sum(a == b for a, b in zip(runs["plain"][0].tokens, runs["bg"][0].tokens))
+    return out
 
 
 def _goals(fig: dict) -> dict:
-    ns = fig["ns"]
-    return {"roofline_at_32": ns[32]["plain_vs_roofline"] >= GOALS["roofline_at_32"] if 32 in ns else None,
-            "vs_batch_generator": all(f["plain_vs_bg"] >= GOALS["vs_batch_generator"] for f in ns.values()),
-            "adaptive_vs_plain": all(f["adaptive_vs_plain"] >= GOALS["adaptive_vs_plain"] for f in ns.values())}
+    """Each goal met or not, by the whole-run ratios (a tie within the pairs' spread is said apart)."""
+    out = {}
+    for n, f in fig["ns"].items():
+        for name, c in f["configs"].items():
+            if name == "plain":
+                out[f"N={n} plain ÷ BG ≥ {GOALS['vs_batch_generator']}"] = _verdict(c, "vs_bg", GOALS["vs_batch_generator"])
+            elif name.startswith("adaptive"):
+                first = name.endswith(f"={fig['alphas'][0]}")
+                goal = GOALS["adaptive_vs_plain"].get(n, 0.97) if first else GOALS["low_alpha"]
+                out[f"N={n} {name} ÷ plain ≥ {goal}"] = _verdict(c, "vs_plain", goal)
+            elif name.startswith("mixed"):
+                out[f"N={n} {name} ÷ plain ≥ {GOALS['mixed']}"] = _verdict(c, "vs_plain", GOALS["mixed"])
+        if n == 32:
+            out["N=32 plain at ≥ 50% of the roofline"] = "met" if f["plain_vs_roofline"] >= 0.5 else "missed"
+    return out
+
+
+def _verdict(c: dict, key: str, goal: float) -> str:
+    if c[key] >= goal:
+        return "met"
+    return "tie" if max(c["pairs"]) >= goal else "missed"
 
 
 def _footer(fig: dict) -> str:
-    return (f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; α = {fig['alpha']} by the draft's "
-            f"intent; ratios: medians of the repeats' pairs (each pair run back to back); '= BG rows': rows whose "
-            f"greedy tokens equal BatchGenerator's (bf16 near-ties flip some); goals {GOALS}: {fig['goals']}")
+    return (f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; α by the draft's intent; joint "
+            f"schedulers cold at the first timed repeat; goals: {fig['goals']}; plain ÷ roofline: "
+            + ", ".join(f"N={n} {f['plain_vs_roofline']:.0%}" for n, f in fig["ns"].items())
+            + "; '= BG rows': " + ", ".join(f"N={n} {f['rows_equal_bg']}" for n, f in fig["ns"].items()))
 
 
 def add_command(benches) -> None:
     p = benches.add_parser("gpu-batch", help="batched decoding at real sizes on a GPU against mlx-lm's BatchGenerator")
     p.add_argument("--small", action="store_true", help="tiny shapes (a check on any device)")
     p.add_argument("--ns", type=int, nargs="+", default=list(NS))
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.8, 0.6])
+    p.add_argument("--mixed", type=int, nargs="*", default=[8, 32], help="the N where half the rows are joint")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--alpha", type=float, default=0.8)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu_batch)
+

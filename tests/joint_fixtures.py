@@ -10,13 +10,15 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from bench.drafters import Controlled
 from bench.tiny_models import build_tiny_model
+from protocol import messages as m
+from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, check_tokenizers_agree, load_model
-from bench.drafters import ControlledDrafter
-from worker.joint.draft import Drafter
-from worker.joint.decoder import JointDecoder
-from worker.joint.sampling import SamplingParams
+from worker.round import RoundInput, RoundPlan
+from worker.scheduler import Scheduler
 from worker.state.checkpoint import install_recording
+from worker.text import render_prompt
 
 PAIRS = {"llama+llama": ("llama", "llama"), "qwen3_5+qwen3_5": ("qwen3_5", "qwen3_5"),
          "qwen3_5+llama": ("qwen3_5", "llama")}
@@ -68,9 +70,8 @@ def load_pair(root: Path, name: str) -> Pair:
 
 
 def prompt_ids(lm: LoadedModel, text: str) -> list[int]:
-    hf = lm.tokenizer._tokenizer
-    rendered = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return lm.tokenizer.encode(rendered, add_special_tokens=False)
+    """The prompt the engine renders for `greedy(text, n)`."""
+    return render_prompt(lm.tokenizer, greedy(text, 1))
 
 
 def baseline_greedy(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
@@ -80,34 +81,64 @@ def baseline_greedy(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def make_drafter(pair: Pair, kind: str, recovery: str, reference: list[int]) -> Drafter:
-    if kind == "wrong":
-        d = pair.drafts["perturbed"]
-        return ControlledDrafter(d.model, reference, lambda _: 0.0, len(pair.target.tokenizer), recovery=recovery)
-    if kind == "copy" and pair.cross:  # proposes the target's own continuation
-        d = pair.drafts["copy"]
-        return ControlledDrafter(d.model, reference, lambda _: 1.0, len(pair.target.tokenizer), recovery=recovery)
-    return Drafter(pair.drafts[kind].model, recovery=recovery)
+class Schedule(Scheduler):
+    """Plans draft lengths from a fixed schedule (row i of a round takes the entry i further on),
+    within each row's room: every verify width, and plain rounds between them."""
+
+    def __init__(self, ks=K_SCHEDULE):
+        super().__init__(fixed=0)
+        self.ks, self.round = ks, 0
+
+    def plan_round(self, inp: RoundInput) -> RoundPlan:
+        self.round += 1
+        return RoundPlan({s.request_id: min(self.ks[(self.round + i) % len(self.ks)], s.room)
+                          for i, s in enumerate(inp.rows)})
 
 
-def joint_greedy(pair: Pair, drafter: Drafter, prompt: list[int], n: int, recovery: str,
-                 on_cycle=None, pipelined_start: bool = True) -> tuple[list[int], JointDecoder]:
-    """Greedy joint decoding through K_SCHEDULE; the start pipelined by default, so its first,
-    drafting cycle throws the forward computed ahead away (the engine starts unpipelined where
-    drafting comes first, which the engine's tests run)."""
-    jd = JointDecoder(pair.target.model, drafter, prompt, SamplingParams(), recovery=recovery)
-    out = [jd.start(pipelined_start)]
-    i = 0
-    while len(out) < n:
-        room = max(0, n - len(out) - 1 - jd.looking_ahead)  # as the engine caps drafts (a taken look-ahead emits one more)
-        emitted = jd.cycle(min(K_SCHEDULE[i % len(K_SCHEDULE)], room), n - len(out) <= 1)
-        keep = min(len(emitted), n - len(out))
-        jd.commit(keep)
-        out += emitted[:keep]
-        i += 1
-        if on_cycle:
-            on_cycle(jd)
-    return out, jd
+def controls_for(pair: Pair, kind: str, references: dict[tuple, list[int]]):
+    """The engine's controls for a draft kind: "wrong" proposes wrong tokens, "copy" of another
+    architecture proposes the target's own (by construction); the others are the real draft."""
+    if kind == "wrong" or (kind == "copy" and pair.cross):
+        alpha = 0.0 if kind == "wrong" else 1.0
+        vocab = len(pair.target.tokenizer.get_vocab())
+
+        def make(rid, prompt):
+            return Controlled(references[tuple(prompt)], lambda _: alpha, vocab).choose, None
+
+        return make
+    return None
+
+
+def draft_of(pair: Pair, kind: str) -> LoadedModel:
+    return pair.drafts["perturbed" if kind == "wrong" else kind]
+
+
+def greedy(text: str, n: int, mode: str = "joint") -> m.GenerateRequest:
+    return m.GenerateRequest(messages=[m.Message("user", text)], max_tokens=n, temperature=0.0, ignore_eos=True,
+                             mode=mode)
+
+
+def joint_engine(pair: Pair, kind: str, recovery: str, references: dict[tuple, list[int]], max_active: int = 1,
+                 schedule=K_SCHEDULE) -> Engine:
+    eng = Engine(pair.target, EngineConfig(max_active=max_active, recovery=recovery, prefill_step=16),
+                 draft_of(pair, kind), controls_for(pair, kind, references))
+    eng.scheduler = Schedule(schedule)
+    return eng
+
+
+def run_engine(eng: Engine, reqs: dict[str, m.GenerateRequest], on_step=None) -> dict[str, list[int]]:
+    """Submits every request, steps to the end; each request's tokens (no errors allowed)."""
+    out = {rid: [] for rid in reqs}
+    for rid, req in reqs.items():
+        eng.submit(rid, req)
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, m.Error), ev
+            if isinstance(ev, m.TextDelta):
+                out[ev.request_id] += ev.token_ids
+        if on_step:
+            on_step(eng)
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:

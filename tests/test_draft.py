@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import FULL
-from joint_fixtures import baseline_greedy, first_divergence, top2_gap
+from joint_fixtures import Schedule, baseline_greedy, first_divergence, run_engine, top2_gap
 from bench.distill import train as d
 from worker.draft.model import ASSET_DIR, DRAFT_ID, load_embedded_draft
 from worker.loader import load_draft, load_model
-from worker.joint.draft import Drafter
-from worker.joint.decoder import JointDecoder
-from worker.joint.sampling import SamplingParams
+from protocol import messages as m
+from worker.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, N_TOKENS = (20, 128) if FULL else (3, 40)
@@ -92,25 +91,25 @@ def test_heldout_acceptance_of_the_shipped_draft(pair, heldout):
 
 
 def test_greedy_joint_with_the_distilled_draft_equals_baseline(pair, heldout):
+    """The held-out prompts as joint rows of one batch, drafting by a schedule: each output is
+    the target's own greedy one, and the draft's first position is accepted often."""
     target, draft = pair
-    schedule = (4, 1, 3, 2, 6, 8)
-    near_ties, first = [], [0, 0]  # first draft position: accepted, tried
-    for prompt in heldout[:N_PROMPTS]:
+    prompts = heldout[:N_PROMPTS]
+    eng = Engine(target, EngineConfig(max_active=len(prompts)), draft)
+    eng.scheduler = Schedule((4, 1, 3, 2, 6, 8))
+    reqs = {f"h{i}": m.GenerateRequest(prompt=p, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True, mode="joint")
+            for i, p in enumerate(prompts)}
+    got = run_engine(eng, reqs)
+    near_ties = []
+    for i, prompt in enumerate(prompts):
         ref = baseline_greedy(target, prompt, N_TOKENS)
-        jd = JointDecoder(target.model, Drafter(draft.model), prompt, SamplingParams())
-        out, i = [jd.start()], 0
-        while len(out) < len(ref):
-            emitted = jd.cycle(schedule[i % len(schedule)])
-            keep = min(len(emitted), len(ref) - len(out))
-            jd.commit(keep)
-            out, i = out + emitted[:keep], i + 1
-        first = [first[0] + jd.stats.accepted_at[0][0], first[1] + jd.stats.accepted_at[0][1]]
-        at = first_divergence(out, ref)
+        at = first_divergence(got[f"h{i}"], ref)
         if at is not None:
             gap = top2_gap(target, prompt + ref[:at])
             assert gap < NEAR_TIE, f"joint output differs at token {at} where the target is not near a tie ({gap:.2e})"
             near_ties.append(at)
     assert len(near_ties) <= max(1, N_PROMPTS // 20)
+    first = eng.totals.joint.accepted_at[0]
     assert first[0] / first[1] >= MIN_JOINT_FIRST, first
 
 

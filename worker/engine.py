@@ -22,12 +22,12 @@ from mlx_lm.generate import generation_stream
 from protocol import messages as m
 from worker import blas_threads, memory
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
-from worker.batch.runner import BatchRunner
+from worker.batch.runner import BatchRunner, play
 from worker.emit import Emitter, QueuedRequest
+from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
 from worker.joint.sampling import make_key_fn
 from worker.loader import LoadedModel
-from worker.round import RoundInput, RoundReport, SetApart
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import Scheduler
 from worker.state.reuse import Held, PrefixCache, Start
@@ -95,7 +95,7 @@ class Engine:
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
         self.runner = BatchRunner(lm.model, draft.model if draft else None, config.prefill_step, config.recovery,
-                                  None)
+                                  fast_draft.where_it_runs(draft.model) if draft else None)
         self.cache_cost = memory.cache_cost(lm.model)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
@@ -205,31 +205,17 @@ class Engine:
         round's time, less what was paid apart, feeds the scheduler."""
         by_id = {r.id: r for r in self._active}
         blas_threads.use(self._params * self.runner.prefill_next())
-        prefill_s = self._guarded(self.runner.prefill, by_id, events, 0.0)
-        t0 = time.perf_counter()
-        decoding = self.runner.decoding()
-        states = self.runner.states({rid: self._tokens_left(by_id[rid]) for rid in decoding})
-        plan = self.scheduler.plan_round(RoundInput(states, len(decoding), pipelined=False))
-        decoded = self._guarded(lambda: self.runner.decode(plan.budgets), by_id, events, None)
-        if decoded is None:
-            return
-        for outcome in decoded.outcomes:
-            self._emit(by_id[outcome.id], outcome, events)
-        for r in [r for r in self._active if r.phase == Phase.DONE]:
-            self._release(r)
-        apart = dict(decoded.apart)
-        seconds = time.perf_counter() - t0 - sum(p.seconds for p in apart.values())
-        reason = SetApart.PREFILL_OR_ERROR if prefill_s and not decoding else None
-        self.scheduler.observe(RoundReport(seconds, reason, apart, decoded.draft_s, decoded.cycles))
-
-    def _guarded(self, run: Callable, by_id: dict, events: list, failed):
-        """Runs a part of the round; an error ends every row it touched (the batch's rows)."""
         try:
-            return run()
+            rnd = play(self.runner, self.scheduler, lambda rid: self._tokens_left(by_id[rid]))
         except Exception as e:  # the batch's state is unknown after a failed forward: its rows end
             for r in list(self._active):
                 self._fail(r, e, events)
-            return failed
+            return
+        for outcome in rnd.decoded.outcomes:
+            self._emit(by_id[outcome.id], outcome, events)
+        for r in [r for r in self._active if r.phase == Phase.DONE]:
+            self._release(r)
+        self.scheduler.observe(rnd.report())
 
     def _emit(self, r: QueuedRequest, outcome: RowOutcome, events: list) -> None:
         if r.phase == Phase.DONE:

@@ -98,9 +98,6 @@ def load_draft(spec: str, target: LoadedModel) -> LoadedModel:
         return _load_embedded_draft(target)
     draft = load_model(spec)
     check_tokenizers_agree(target.tokenizer, draft.tokenizer)
-    from worker.kernels.fast_draft import install_where_it_runs
-
-    install_where_it_runs(draft.model)  # a Qwen3.5 draft on a CUDA GPU: its steps in a few large kernels
     return draft
 
 

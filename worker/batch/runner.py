@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -21,7 +21,7 @@ from worker.batch import drafts as dr
 from worker.batch import select
 from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advance
 from worker.batch.slotbatch import SlotBatch
-from worker.round import CycleReport, Paid, RowState, SetApart
+from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
 from worker.sampling import chosen as chosen_of
 
 DRAFT_TIMED_EVERY = 8  # off the CPU, one drafting round in this many waits for its draft, so its step is timed
@@ -35,6 +35,35 @@ class Decoded:
     cycles: list[CycleReport] = field(default_factory=list)
     apart: dict[SetApart, Paid] = field(default_factory=dict)
     draft_s: float = 0.0
+
+
+@dataclass
+class Round:
+    """A round begun: the rows decoding in it, their plan, when its decode began."""
+
+    decoding: list[str]
+    started: float
+    prefilled: bool
+    decoded: Decoded = field(default_factory=Decoded)
+
+    def report(self) -> RoundReport:
+        """The round as the scheduler reads it: its time since its decode began (the caller's
+        handling of its tokens included), less what was paid apart."""
+        d = self.decoded
+        seconds = time.perf_counter() - self.started - sum(p.seconds for p in d.apart.values())
+        reason = SetApart.PREFILL_OR_ERROR if self.prefilled and not self.decoding else None
+        return RoundReport(seconds, reason, dict(d.apart), d.draft_s, d.cycles)
+
+
+def play(runner: "BatchRunner", planner, tokens_left: Callable[[str], int]) -> Round:
+    """One round: prompt chunks, then the plan of the decoding rows' drafts and their forward.
+    `tokens_left(row id)`: what each row may still emit. The engine and the benches run it."""
+    prefilled = bool(runner.prefill())
+    rnd = Round(runner.decoding(), time.perf_counter(), prefilled)
+    states = runner.states({rid: tokens_left(rid) for rid in rnd.decoding})
+    plan = planner.plan_round(RoundInput(states, len(rnd.decoding), pipelined=False))
+    rnd.decoded = runner.decode(plan.budgets)
+    return rnd
 
 
 class BatchRunner:
@@ -142,15 +171,16 @@ class BatchRunner:
     def states(self, tokens_left: dict[str, int]) -> list[RowState]:
         """The decoding joint rows as the scheduler reads them (`tokens_left`: what each may
         still emit). A round emits a row's pending token and its accepted drafts, and leaves it
-        the target's own next: drafts past tokens_left - 2 are never emitted."""
+        the target's own next, which the verify computes anyway: a row can use as many drafts
+        as it may emit tokens after its pending one."""
         out = []
         for rid in self.decoding():
             row = self.rows[rid]
             if not row.joint:
                 continue
             left = tokens_left[rid] - int(row.pending.emit)
-            out.append(RowState(rid, room=max(0, left - 1), lag=dr.lag(self.draft, row),
-                                has_drafted=row.drafted_once, last=left <= 1))
+            out.append(RowState(rid, room=max(0, left), lag=dr.lag(self.draft, row),
+                                has_drafted=row.drafted_once, last=left <= 0))
         return out
 
     def decode(self, plan: dict[str, int]) -> Decoded:
@@ -229,6 +259,7 @@ class BatchRunner:
         nxt, lps = select.plain([rows[i] for i in plain_at], f.logits[mx.array(plain_at), 0], ys[mx.array(plain_at)]) \
             if plain_at else (None, [])
         choices = mx.argmax(f.logits, axis=-1)
+        mx.eval(drafts.tokens, ys, choices)  # the round's one wait
         draft_rows = {r: i for i, r in enumerate(drafts.ids)}
         proposed = drafts.tokens.tolist()
         values, choice_rows = ys.tolist(), choices.tolist()

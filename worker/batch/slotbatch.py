@@ -133,7 +133,7 @@ class SlotBatch:
         lengths = tuple(offsets if offsets is not None else (self.lengths[r] for r in ids))
         span = Span(start, start + len(ids), lengths, tuple(widths))
         pos = mx.array(span.lengths)
-        masks = None if span.even and min(widths) == tokens.shape[1] else mx.array(widths)
+        masks = None if min(widths) == tokens.shape[1] else mx.array(widths)  # padded rows keep their state
         views, before = [], []
         for layer in self.layers:
             if isinstance(layer, SlotKV):

@@ -73,8 +73,8 @@ class SlotKV:
             self.keys = mx.concatenate([self.keys, mx.zeros((s, h, grow, d), self.keys.dtype)], axis=2)
             self.values = mx.concatenate([self.values, mx.zeros((s, self.values.shape[1], grow, self.values.shape[3]),
                                                                 self.values.dtype)], axis=2)
-        if slots > self.keys.shape[0]:
-            extra = slots - self.keys.shape[0]
+        if slots > self.keys.shape[0]:  # rows grow by doubling: a join does not copy the slab each time
+            extra = max(slots, 2 * self.keys.shape[0]) - self.keys.shape[0]
             self.keys = mx.concatenate([self.keys, mx.zeros((extra, *self.keys.shape[1:]), self.keys.dtype)])
             self.values = mx.concatenate([self.values, mx.zeros((extra, *self.values.shape[1:]), self.values.dtype)])
 
@@ -210,8 +210,8 @@ class SlotArrays:
 
 class StateView(ArraysCache):
     """mlx-lm's recurrent-cache protocol over one forward's rows: `lengths` are the rows' real
-    widths (padded positions leave the state as it was); with `record`, the layer keeps the conv
-    input and the state after every position (worker/state/checkpoint.py's recording layer)."""
+    widths (padded positions leave the state as it was); with `record`, the layer keeps its conv
+    input and its recurrence's inputs (worker/state/checkpoint.py's recording layer)."""
 
     def __init__(self, arrays: list[Optional[mx.array]], widths: Optional[mx.array], record: bool):
         super().__init__(len(arrays))
@@ -219,15 +219,18 @@ class StateView(ArraysCache):
         self.lengths = widths
         self.record = record
         self.conv_input: Optional[mx.array] = None  # [B, n_keep + W, C], when recorded
-        self.states: Optional[list[mx.array]] = None  # the state after position t, t < W
+        self.recurrence: Optional[tuple] = None  # (q, k, v, beta, g, the state before), when recorded
         self.n_keep = 0
 
     def advance(self, n: int) -> None:
         pass  # the batch keeps each row's length; `lengths` stay the forward's widths
 
     def kept(self, keep: mx.array) -> list[mx.array]:
-        """The arrays after each row's first keep[r] positions (keep[r] >= 1), from the record."""
+        """The arrays after each row's first keep[r] positions (keep[r] >= 1): the conv window
+        from the record, the state by the recurrence over those positions only."""
+        from worker.kernels import gdn
+
         conv = mx.take_along_axis(self.conv_input, (keep[:, None] + mx.arange(self.n_keep)[None])[..., None], axis=1)
-        states = mx.stack(self.states)  # [W, B, ...]
-        state = states[keep - 1, mx.arange(keep.shape[0])]
-        return [conv, state]
+        q, k, v, beta, g, state = self.recurrence
+        mask = mx.arange(q.shape[1])[None] < keep[:, None]
+        return [conv, gdn.final_state(q, k, v, beta, g, state, mask)[1]]

@@ -7,7 +7,7 @@ out-projection plus the residual, the MLP's gate and up projections with swiglu 
 normed stream, the down projection plus the residual. Attention layers (one in four) keep
 mlx-lm's norms, RoPE, KV cache and attention between kernel projections.
 
-`set_fast(model)` makes the model's forward take this path for narrow forwards (a draft's steps,
+`narrow_forward(model)` is the model's forward that takes this path for narrow forwards (a draft's steps,
 1-MAX_T tokens of one sequence on a plain cache); prompts, batches, padded or recording caches go
 through mlx-lm's forward as before. Where the kernels do not run (the CPU) the same path runs their
 ops, which is how the tests check it against mlx-lm's forward. The stacked weights are copies
@@ -76,10 +76,12 @@ def _prepare(model) -> Optional[list[_Layer]]:
 
 
 def _eligible(inputs: mx.array, cache: Optional[list]) -> bool:
+    """One sequence of 1-MAX_T tokens, on attention caches (mlx-lm's, or a batch's slot view of
+    one row) and recurrent ones without padding or recording."""
     if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1 or not 1 <= inputs.shape[1] <= dk.MAX_T:
         return False
     for c in cache:
-        if type(c) is KVCache:
+        if hasattr(c, "update_and_fetch"):
             continue
         if not isinstance(c, ArraysCache) or getattr(c, "record", False) or c.lengths is not None \
                 or c.left_padding is not None:
@@ -135,51 +137,37 @@ def forward(model, inputs: mx.array, cache: list, layers: list[_Layer], kernel: 
     return dk.gemv(h, head, norm.weight, norm.eps, kernel=kernel)[None]
 
 
-class FastForward:
-    """Mixin put before a Qwen3.5 model's class by set_fast: narrow forwards of one sequence take
-    the kernels' path (see the module's note), the rest the model's own __call__."""
+class NarrowForward:
+    """A Qwen3.5 draft's forward: narrow forwards of one sequence take the kernels' path (see the
+    module's note), the rest the model's own. `persistent`: the one-launch step where it applies
+    (worker/kernels/persistent_draft.py; mlx-lm's own KV caches only)."""
 
-    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, **kwargs):
-        layers = self.__dict__.get("_fast_layers")
-        if kwargs or layers is None or not _eligible(inputs, cache):
-            return super().__call__(inputs, cache=cache, **kwargs)
-        one = self.__dict__.get("_persistent")
-        if one is not None and persistent_draft.eligible(cache, inputs.shape[1]):
+    def __init__(self, model, layers: list[_Layer], persistent: bool = False):
+        self.model, self.layers = model, layers
+        self.one = persistent_draft.prepare(model, layers) if persistent and dk.available(layers[0].ln1.dtype) else None
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        if not _eligible(inputs, cache):
+            return self.model(inputs, cache=cache)
+        if self.one is not None and persistent_draft.eligible(cache, inputs.shape[1]):
             try:
-                return persistent_draft.forward(self, inputs, cache, one)
+                return persistent_draft.forward(self.model, inputs, cache, self.one)
             except RuntimeError:  # a barrier timed out: this forward and those after take the kernels a sublayer
-                del self.__dict__["_persistent"]
-        return forward(self, inputs, cache, layers, dk.available(layers[0].ln1.dtype))
+                self.one = None
+        return forward(self.model, inputs, cache, self.layers, dk.available(self.layers[0].ln1.dtype))
 
 
-def set_fast(model, on: bool = True, persistent: bool = False) -> bool:
-    """Makes the model's narrow forwards take the kernels' path, or takes it back; True if the
-    path applies to the model (a Qwen3.5 model of unquantized linear layers). `persistent`: where
-    worker/kernels/persistent_draft.py applies, its one-launch step instead (CUDA only)."""
-    cls = type(model)
-    model.__dict__.pop("_persistent", None)
-    if not on:
-        if issubclass(cls, FastForward):
-            model.__class__ = cls.__mro__[2]
-        return False
+def narrow_forward(model, persistent: bool = False) -> Optional[NarrowForward]:
+    """The kernels' path for a Qwen3.5 model of unquantized linear layers (None: it does not apply)."""
     if not isinstance(model, qwen3_5.Model):
-        return False
-    if "_fast_layers" not in model.__dict__:
-        model.__dict__["_fast_layers"] = _prepare(model)
-    if model.__dict__["_fast_layers"] is None:
-        return False
-    if not issubclass(cls, FastForward):
-        model.__class__ = type(f"Fast{cls.__name__}", (FastForward, cls), {})
-    if persistent and dk.available(model.__dict__["_fast_layers"][0].ln1.dtype):
-        model.__dict__["_persistent"] = persistent_draft.prepare(model, model.__dict__["_fast_layers"])
-    return True
+        return None
+    layers = _prepare(model)
+    return None if layers is None else NarrowForward(model, layers, persistent)
 
 
-def install_where_it_runs(model) -> bool:
-    """A draft's narrow forwards take the one-launch step (worker/kernels/persistent_draft.py), else the
-    kernels a sublayer, where the kernels run (a CUDA GPU, bfloat16); True if so. Elsewhere the
-    model is left as it is."""
+def where_it_runs(model) -> Optional[NarrowForward]:
+    """A draft's forward through the kernels where they run (a CUDA GPU, bfloat16); None elsewhere."""
     weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)
     if weight is None or not dk.available(weight.weight.dtype):
-        return False
-    return set_fast(model, persistent=True)
+        return None
+    return narrow_forward(model, persistent=True)

@@ -139,24 +139,6 @@ def zero_state(q: mx.array, v: mx.array) -> mx.array:
     return mx.zeros((q.shape[0], *v.shape[2:], q.shape[-1]), dtype=mx.float32)
 
 
-def every_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, list[mx.array]]:
-    """The recurrence keeping the state after every token: (outputs [B, T, Hv, Dv], the states).
-    One launch of this kernel where it runs, else mlx-lm's ops a token at a time."""
-    if available() and fits(q, v):
-        y, _, states = recurrence(q, k, v, g, beta, state, mask, keep=True)
-        return y, [states[t] for t in range(q.shape[1])]
-    from mlx_lm.models.gated_delta import gated_delta_ops
-
-    ys, states = [], []
-    for t in range(q.shape[1]):
-        one = slice(t, t + 1)
-        y, state = gated_delta_ops(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state,
-                                   None if mask is None else mask[:, one])
-        ys.append(y)
-        states.append(state)
-    return mx.concatenate(ys, axis=1), states
-
-
 def final_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, mx.array]:
     """The recurrence's outputs and its last state: this kernel where it runs, else mlx-lm's ops."""
     if available() and fits(q, v):

@@ -1,11 +1,12 @@
 """Per-position recurrent states, and the caches the batch and prefix reuse start from.
 
-The batch's fast recovery needs the recurrent state after every position of a verify forward.
+The batch's fast recovery needs the recurrent state after any prefix of a verify forward.
 `install_recording` puts a `RecordingGatedDeltaNet` in each Gated-DeltaNet layer's place (a new
 module holding the layer's own weights, set through MLX's module API): when its cache asks for
-it (`cache.record`), it keeps the conv input and the state after each token. On a CUDA GPU it
-also runs every forward's recurrence as one kernel (worker/kernels/gdn.py); elsewhere its plain
-forwards are mlx-lm's own.
+it (`cache.record`), it keeps the conv input and the recurrence's inputs, from which the state
+after each row's kept prefix is computed once acceptance is known (one masked pass: a verify of
+W tokens writes the state once, not W times). On a CUDA GPU it also runs every forward's
+recurrence as one kernel (worker/kernels/gdn.py); elsewhere its plain forwards are mlx-lm's own.
 """
 
 from __future__ import annotations
@@ -59,12 +60,10 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         state = cache[1] if cache is not None else None
         state = gdn_kernel.zero_state(q, v) if state is None else state
         g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
-        if record:
-            out, states = gdn_kernel.every_state(q, k, v, beta, g, state, mask)
-            cache.conv_input, cache.states, cache.n_keep = conv_input, states, n_keep
-            final = states[-1]
-        else:
-            out, final = gdn_kernel.final_state(q, k, v, beta, g, state, mask)
+        out, final = gdn_kernel.final_state(q, k, v, beta, g, state, mask)
+        if record:  # what the state after any prefix is computed from again (StateView.kept)
+            cache.conv_input, cache.n_keep = conv_input, n_keep
+            cache.recurrence = (q, k, v, beta, g, state)
         if cache is not None:
             cache[0] = _conv_window(conv_input, cache.lengths, S, n_keep)
             cache[1] = final

@@ -1,6 +1,6 @@
-"""Joint rows parked in the baseline batch: a joint request the plan drafts nothing for decodes
-as a row of the batch's one forward, leaves it when the plan drafts for it, and its greedy output
-stays the target's own, whatever the moves."""
+"""Joint and baseline rows in one batch (worker/batch/): a round is one target forward of every
+decoding row, whatever each drafts, and every greedy output stays the target's own while rows
+join, leave, are cancelled and draft different lengths."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from joint_fixtures import load_pair
 from protocol import messages as m
 from test_batching import CountingModel, chat, divergences_off_near_ties, drive
 from worker.engine import Engine, EngineConfig
-from worker.round import RoundInput, RoundPlan, SetApart
+from worker.round import RoundInput, RoundPlan
 from worker.scheduler import Scheduler
 
 PROMPTS = ["the quick brown fox", "hello world", "once upon a time " * 3, "one two three four",
@@ -24,12 +24,12 @@ PROMPTS = ["the quick brown fox", "hello world", "once upon a time " * 3, "one t
 
 @pytest.fixture(scope="module", params=["llama+llama", "qwen3_5+qwen3_5"])
 def pair(request, tmp_path_factory):
-    return load_pair(tmp_path_factory.mktemp("parking"), request.param)
+    return load_pair(tmp_path_factory.mktemp("batch-engine"), request.param)
 
 
 class Waves(Scheduler):
     """A plan that drafts `k` for every joint row in waves (rounds `on` of every `period`) and
-    nothing between them: rows park, leave the batch to draft, and park again."""
+    nothing between them: rows turn from plain to drafting and back, their drafts lagging."""
 
     def __init__(self, k: int = 2, period: int = 7, on: range = range(4, 6)):
         super().__init__(fixed=0)
@@ -49,22 +49,22 @@ def joint(text: str, n: int, **kw) -> m.GenerateRequest:
 
 
 def one_round_of_four(pair, draft_budget: int) -> tuple[list, list]:
-    """Two baseline and two joint rows past every prefill (and park): the target forwards' input
-    shapes of one round, and its events."""
+    """Two baseline and two joint rows past every prefill: the target forwards' input shapes of
+    one round, and its events."""
     counting = CountingModel(pair.target.model)
     target = dataclasses.replace(pair.target, model=counting)
     engine = Engine(target, EngineConfig(max_active=4, draft_budget=draft_budget), pair.drafts["copy"])
     for i, p in enumerate(PROMPTS[:4]):
         engine.submit(f"r{i}", (joint if i % 2 else chat)(p, 60))
     tokens = 0
-    while tokens < 4 * 10:  # past every prefill and park: all four rows decode
+    while tokens < 4 * 10:  # past every prefill: all four rows decode
         tokens += sum(len(e.token_ids) for e in engine.step() if isinstance(e, m.TextDelta))
     counting.shapes.clear()
     events = engine.step()
     return counting.shapes, sorted({e.request_id for e in events if isinstance(e, m.TextDelta)})
 
 
-def test_joint_rows_drafting_nothing_decode_in_the_baseline_forward(pair):
+def test_joint_rows_drafting_nothing_decode_in_the_one_forward(pair):
     shapes, emitted = one_round_of_four(pair, draft_budget=0)
     assert shapes == [(4, 1)]  # two baseline and two joint rows, one forward
     assert emitted == ["r0", "r1", "r2", "r3"]
@@ -99,14 +99,14 @@ def test_drafting_joint_rows_beside_baseline_rows_decode_as_each_alone(pair, dra
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 
-def test_greedy_output_is_exact_as_joint_rows_move_in_and_out_of_the_batch(pair):
+def test_greedy_output_is_exact_as_joint_rows_draft_in_waves(pair):
     reqs = {f"r{i}": (joint if i % 3 else chat)(p, 14 + 3 * i) for i, p in enumerate(PROMPTS)}
     arrivals = {0: [("r0", reqs["r0"]), ("r1", reqs["r1"]), ("r2", reqs["r2"])], 3: [("r3", reqs["r3"])],
                 9: [("r4", reqs["r4"])], 13: [("r5", reqs["r5"])]}
     engine = Engine(pair.target, EngineConfig(max_active=6, prefill_step=16), pair.drafts["perturbed"])
     engine.scheduler = waves = Waves()
     got = drive(engine, arrivals, cancels={20: ["r4"]})
-    assert SetApart.BATCH_SWITCH in waves.reasons  # rows did move
+    assert waves.round > 2 * waves.period  # waves came and went
     assert engine.totals.joint.drafted > 0
     for rid, req in reqs.items():
         want = drive(Engine(pair.target, EngineConfig(max_active=1)),
@@ -118,13 +118,16 @@ def test_greedy_output_is_exact_as_joint_rows_move_in_and_out_of_the_batch(pair)
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 
-def test_a_seeded_joint_request_samples_the_same_parked_or_not(pair):
-    """Alone a joint request's plain cycles are its own; beside others it parks: same tokens."""
+@pytest.mark.parametrize("budget", [0, 2])
+def test_a_seeded_joint_request_samples_the_same_alone_or_batched(pair, budget):
+    """A row draws from its own keys, in its own order: alone or beside others, plain or
+    drafting, a seeded joint request's tokens are the same."""
     seeded = joint("once upon a time", 16, temperature=0.9, top_p=0.95, seed=77)
     others = [(f"o{i}", chat(p, 20, temperature=1.0)) for i, p in enumerate(PROMPTS[:3])]
 
     def run(arrivals):
-        return drive(Engine(pair.target, EngineConfig(max_active=6, draft_budget=0), pair.drafts["copy"]), arrivals)["s"]
+        return drive(Engine(pair.target, EngineConfig(max_active=6, draft_budget=budget), pair.drafts["perturbed"]),
+                     arrivals)["s"]
 
     alone = run({0: [("s", seeded)]})
     assert alone == run({0: others[:2] + [("s", seeded)], 1: others[2:]})
