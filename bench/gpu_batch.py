@@ -18,7 +18,7 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench import common as bench
 
@@ -34,6 +34,16 @@ class Run:
     seconds: float  # from then to the end
     drafted: int = 0
     accepted: int = 0
+    rounds: list = field(default_factory=list)  # each timed round's seconds
+
+    @property
+    def stalls(self) -> str:
+        """Rounds over 5x the median round (a kernel compiled for a new shape, say): count, seconds."""
+        if not self.rounds:
+            return ""
+        med = statistics.median(self.rounds)
+        slow = [r for r in self.rounds if r > 5 * med]
+        return f"{len(slow)}:{sum(slow):.2f}s" if slow else "0"
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,12 +104,16 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
         rows[row.id], out[row.id] = row, []
         runner.join(row)
     t0 = counted = None
+    rounds = []
     with mx.stream(generation_stream):
         while runner.rows:
+            r0 = time.perf_counter()
             rnd = play(runner, sched, lambda rid: n_tokens - len(out[rid]))
             for o in rnd.decoded.outcomes:
                 out[o.id] += o.tokens[: n_tokens - len(out[o.id])]
             sched.observe(rnd.report())
+            if t0 is not None:
+                rounds.append(time.perf_counter() - r0)
             if t0 is None and all(out.values()):
                 t0, counted = time.perf_counter(), sum(map(len, out.values()))
             for rid in [rid for rid in runner.rows if len(out[rid]) >= n_tokens]:
@@ -108,7 +122,7 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
     wall = time.perf_counter() - t0
     stats = [r.stats for r in rows.values() if r.stats is not None]
     return Run(list(out.values()), sum(map(len, out.values())) - counted, wall,
-               sum(s.drafted for s in stats), sum(s.accepted for s in stats))
+               sum(s.drafted for s in stats), sum(s.accepted for s in stats), rounds)
 
 
 def roofline(target, copy_bps: float, weight_bytes: int, n: int, context: int) -> float:
@@ -129,6 +143,7 @@ def _configs(args: argparse.Namespace, n: int) -> list[tuple[str, float, int]]:
 
 def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
     """Every configuration at N, alternated over the repeats; kernels warmed first, untimed."""
+    from worker.batch.runner import BatchRunner
     from worker.kernels import fast_draft
     from worker.scheduler import Scheduler
 
@@ -136,6 +151,7 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
 
     prompts = _prompts(n, args.prompt_tokens, vocab)
     batch_generator(target, prompts, 4)
+    BatchRunner(target, draft, 2048, draft_forward=forward).warm(prompts[0], 9)  # as the engine's warm-up
     ref = verity_run(target, prompts, args.tokens).tokens
     configs = _configs(args, n)
     verity_run(target, prompts, args.tokens, draft, ref, args.alphas[0], vocab, Scheduler(), 1, forward)  # scheduler dropped
@@ -148,6 +164,7 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
             runs[c].append(verity_run(target, prompts, args.tokens, draft, ref, alpha, vocab, scheds[c], every, forward))
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
+            + f" [stalls {v[-1].stalls}]"
             for k, v in runs.items()))
     return runs
 
@@ -194,7 +211,8 @@ def _figures(runs: dict[str, list[Run]], roof: float) -> dict:
     each repeat's pair."""
     out: dict = {"roofline_tps": roof, "configs": {}}
     for name, rs in runs.items():
-        c = {"tokens_per_s": _whole(rs), "per_repeat": " ".join(f"{r.tokens_per_s:.1f}" for r in rs)}
+        c = {"tokens_per_s": _whole(rs), "per_repeat": " ".join(f"{r.tokens_per_s:.1f}" for r in rs),
+             "stalls": [r.stalls for r in rs]}
         base = {"bg": None, "plain": "bg"}.get(name, "plain")
         if base:
             pairs = [round(a.tokens_per_s / b.tokens_per_s, 3) for a, b in zip(rs, runs[base])]

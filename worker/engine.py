@@ -325,6 +325,8 @@ class Engine:
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=4, temperature=0.0)
+        with mx.stream(generation_stream):
+            self.runner.warm(self._prompt(req) * 16, self.config.max_round_budget + 1)
         self.submit("warmup", req)
         if self.draft is not None:
             self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0,

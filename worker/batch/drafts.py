@@ -34,8 +34,8 @@ class Drafts:
     tokens: mx.array
     probs: dict[str, list] = field(default_factory=dict)
     lags: list[int] = field(default_factory=list)  # tokens each row fed before proposing (y among them)
-    steps: list[list] = field(default_factory=list)  # per forward: the recurrent arrays after it
     bases: list[int] = field(default_factory=list)  # each row's draft length before the round
+    before: list = field(default_factory=list)  # the recurrent arrays before the round (a replay starts there)
 
     def k(self, rid: str) -> int:
         return self.ks[self.ids.index(rid)] if rid in self.ids else 0
@@ -70,12 +70,12 @@ def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int
     x = mx.array([kn[:width] for kn in known], dtype=mx.uint32)
     at = [max(n - 1, 0) for n in lags]
     x[mx.arange(len(ids)), mx.array(at)] = ys.astype(mx.uint32)  # each row's pending token after what it lacks
-    drafts = Drafts(ids, ks, mx.zeros((len(ids), 0), mx.uint32), lags=lags, bases=bases)
+    drafts = Drafts(ids, ks, mx.zeros((len(ids), 0), mx.uint32), lags=lags, bases=bases,
+                    before=batch.recurrent_rows(batch.span(ids)))
     chosen, widths = [], lags
     for j in range(max(ks)):
         f = batch.forward(ids, x, widths)
         batch.commit(f, widths)
-        drafts.steps.append([list(a) for a in batch.recurrent_rows(f.span)])
         last = mx.array([max(w - 1, 0) for w in widths]) if j == 0 else mx.zeros(len(ids), mx.int32)
         logits = f.logits[mx.arange(len(ids)), last]
         toks = _choose(rows, ids, ks, j, logits, ys, chosen, drafts)
@@ -115,26 +115,27 @@ def _choose(rows: dict[str, Row], ids: list[str], ks: list[int], j: int, logits:
     return mx.concatenate(out)
 
 
-def recover(batch: SlotBatch, drafts: Drafts, accepted: dict[str, int]) -> None:
+def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: dict[str, int]) -> None:
     """Each drafting row's draft keeps what it fed that the target kept: what it lacked and its
-    proposals up to the first rejected one (the last proposal it never fed)."""
-    ids, steps = drafts.ids, drafts.steps
-    if not steps:
+    proposals up to the first rejected one (the last proposal it never fed). A row that fed a
+    rejected proposal goes back to its state before the round and feeds the kept ones again, in
+    one forward for all such rows (per-step states kept instead cost k copies of every row's)."""
+    ids = drafts.ids
+    keep = [lag + min(accepted.get(r, 0), k - 1) if k else 0 for r, k, lag in zip(ids, drafts.ks, drafts.lags)]
+    back = [bool(k) and n < lag + k - 1 for k, n, lag in zip(drafts.ks, keep, drafts.lags)]
+    if not any(back):
         return
-    pick = [min(accepted.get(r, 0), max(k - 1, 0)) if k else len(steps) - 1 for r, k in zip(ids, drafts.ks)]
-    if any(p < len(steps) - 1 for p in pick):
-        at = mx.array(pick)
-        rows = mx.arange(len(ids))
-        layers = []
-        for e in range(len(steps[0])):
-            arrays = []
-            for a in range(len(steps[0][e])):
-                if steps[0][e][a] is None:
-                    arrays.append(None)
-                    continue
-                arrays.append(mx.stack([s[e][a] for s in steps])[at, rows])
-            layers.append(arrays)
-        batch.put_recurrent(ids, layers)
-    for r, k, p, base, n in zip(ids, drafts.ks, pick, drafts.bases, drafts.lags):
-        if k:
-            batch.lengths[r] = base + n + p
+    mask = mx.array(back)
+    now = batch.recurrent_rows(batch.span(ids))
+    batch.put_recurrent(ids, [[o if o is None else mx.where(_rows(mask, o), o, a) for o, a in zip(old, cur)]
+                              for old, cur in zip(drafts.before, now)])
+    widths = [n if b else 0 for n, b in zip(keep, back)]
+    width = max(widths)
+    feeds = [rows[r].seq[base: base + w] for r, base, w in zip(ids, drafts.bases, widths)]
+    x = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.uint32)
+    offsets = [base if b else batch.lengths[r] for r, base, b in zip(ids, drafts.bases, back)]
+    batch.commit(batch.forward(ids, x, widths, offsets=offsets), widths)
+
+
+def _rows(mask: mx.array, like: mx.array) -> mx.array:
+    return mask.reshape((-1,) + (1,) * (like.ndim - 1))

@@ -24,6 +24,7 @@ from worker.batch.slotbatch import SlotBatch
 from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
 from worker.sampling import chosen as chosen_of
 
+WARM = "\x00warm"  # the warm-up's row
 DRAFT_TIMED_EVERY = 8  # off the CPU, one drafting round in this many waits for its draft, so its step is timed
 
 
@@ -79,6 +80,21 @@ class BatchRunner:
         self.rows: dict[str, Row] = {}
         self._last: Optional[tuple[list[str], mx.array]] = None  # the last plain round's rows and tokens
         self._drafting_rounds = 0
+
+    def warm(self, tokens: list[int], widest: int) -> None:
+        """Runs every forward width serving uses once (verifies up to `widest`, recorded; the
+        draft's first steps), on a row of its own that then leaves: a GPU compiles a kernel the
+        first time it meets a shape, which would stall a round. Only on an empty batch."""
+        for batch, widths, record in ((self.target, range(1, widest + 1), True),
+                                      (self.draft, range(1, dr.CATCH_UP_LAG + 1), False)):
+            if batch is None or len(batch):
+                continue
+            batch.add(WARM, None, 0)
+            for w in widths:
+                f = batch.forward([WARM], mx.array([tokens[:w]], dtype=mx.uint32), [w], record=record)
+                batch.commit(f, [1] if record else [w])
+                mx.eval(batch.arrays())
+            batch.remove(WARM)
 
     # ---- membership ----
 
@@ -234,7 +250,7 @@ class BatchRunner:
         keep, accepted = self._accept(ids, ks, ys, drafts, f, out)
         t2 = time.perf_counter()
         self.target.commit(f, keep)
-        dr.recover(self.draft, drafts, accepted)
+        dr.recover(self.draft, drafts, self.rows, accepted)
         if mx.default_device() == mx.cpu:
             mx.eval(self.target.arrays(), self.draft.arrays())
         for rid in accepted:

@@ -126,12 +126,9 @@ class SlotBatch:
                 offsets: Optional[list[int]] = None) -> Forwarded:
         """One forward of these rows (contiguous slots, in order): tokens [B, W] right-padded,
         widths[i] real; `offsets`: where each row writes (default: its length)."""
-        self.settle()
-        start = self.order.index(ids[0])
-        if self.order[start: start + len(ids)] != ids:
-            raise ValueError("a forward's rows must sit in contiguous slots, in order")
-        lengths = tuple(offsets if offsets is not None else (self.lengths[r] for r in ids))
-        span = Span(start, start + len(ids), lengths, tuple(widths))
+        rows = self.span(ids)
+        lengths = tuple(offsets) if offsets is not None else rows.lengths
+        span = Span(rows.start, rows.stop, lengths, tuple(widths))
         pos = mx.array(span.lengths)
         masks = None if min(widths) == tokens.shape[1] else mx.array(widths)  # padded rows keep their state
         views, before = [], []
@@ -179,14 +176,21 @@ class SlotBatch:
         again = self.forward(f.ids, f.tokens[:, : max(1, max(widths))], widths, offsets=offsets)
         self._take_arrays(again, None)
 
+    def span(self, ids: list[str]) -> Span:
+        """The slots of these rows (contiguous, in order), with their lengths."""
+        self.settle()
+        start = self.order.index(ids[0])
+        if self.order[start: start + len(ids)] != ids:
+            raise ValueError("rows must sit in contiguous slots, in order")
+        return Span(start, start + len(ids), tuple(self.lengths[r] for r in ids), ())
+
     def recurrent_rows(self, span: Span) -> list[list]:
         """Each recurrent layer's arrays of the span's rows (references)."""
         return [layer.rows(span) for layer in self.layers if isinstance(layer, SlotArrays)]
 
     def put_recurrent(self, ids: list[str], arrays: list[list]) -> None:
         """Sets the recurrent layers' arrays of these rows (contiguous slots, in order)."""
-        start = self.order.index(ids[0])
-        span = Span(start, start + len(ids), (), ())
+        span = self.span(ids)
         layers = [layer for layer in self.layers if isinstance(layer, SlotArrays)]
         for layer, a in zip(layers, arrays):
             layer.set_rows(span, a, len(self.order))

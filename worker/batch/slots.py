@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 STEP = 256  # positions a slab grows by
+CAUSAL_FROM = 32  # narrower forwards (a verify) get an array mask: a "causal" one may take a path built per shape
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class KVView:
         """Query i of row r (position length_r + i) sees keys at positions up to its own, and
         within the window on sliding layers."""
         window = window_size or self.slab.window
-        if self.span.even and window is None and not return_array:
+        if self.span.even and window is None and not return_array and (n == 1 or n >= CAUSAL_FROM):
             return None if n == 1 else "causal"
         q = self.offset[:, None] + mx.arange(n)[None]  # [B, n]
         k = mx.arange(self.upto)

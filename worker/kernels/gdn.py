@@ -28,6 +28,7 @@ __device__ __forceinline__ float verity_warp_sum(float x) {
 
 _SOURCE = """
   constexpr int NPT = Dk / 32;
+  const int T = dims[0];  // tokens: a runtime value, so one compiled kernel serves every width and batch
   const int lane = threadIdx.x;
   const int dv = blockIdx.y * blockDim.y + threadIdx.y;
   const int n = blockIdx.z;  // batch row * Hv + value head
@@ -60,13 +61,9 @@ _SOURCE = """
     } else if (lane == 0) {
       y_[t * Hv * Dv + dv] = static_cast<InT>(0.f);
     }
-    KEEP
   }
   for (int i = 0; i < NPT; ++i) state_out[row + lane + 32 * i] = static_cast<StT>(s[i]);
 """
-
-_KEEP = """for (int i = 0; i < NPT; ++i)
-      states[(size_t)t * NB + row + lane + 32 * i] = static_cast<StT>(s[i]);"""
 
 # One token's q and k in a fused draft kernel (worker/kernels/draft.py and persistent_draft.py put
 # it where they write VERITY_GDN_QK): the short conv's output (`conv`), L2-normed, q also by 1/sqrt(Dk).
@@ -87,6 +84,7 @@ def with_qk_norm(source: str) -> str:
 
 
 _kernels: dict = {}
+_dims: dict[int, mx.array] = {}  # the width of a forward, as the kernel reads it
 _enabled = True
 
 
@@ -105,33 +103,32 @@ def fits(q: mx.array, v: mx.array) -> bool:
     return q.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0 and v.shape[-2] % q.shape[-2] == 0
 
 
-def _kernel(masked: bool, keep: bool):
-    key = (masked, keep)
-    if key not in _kernels:
-        inputs = ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
-        outputs = ["y", "state_out"] + (["states"] if keep else [])
-        source = _SOURCE.replace("ON", "mask[b * T + t]" if masked else "true").replace("KEEP", _KEEP if keep else "")
-        _kernels[key] = mx.fast.cuda_kernel(name=f"verity_gated_delta_{int(masked)}{int(keep)}", input_names=inputs,
-                                            output_names=outputs, source=source, header=_HEADER)
-    return _kernels[key]
+def _kernel(masked: bool):
+    if masked not in _kernels:
+        inputs = ["q", "k", "v", "g", "beta", "state_in", "dims"] + (["mask"] if masked else [])
+        source = _SOURCE.replace("ON", "mask[b * T + t]" if masked else "true")
+        _kernels[masked] = mx.fast.cuda_kernel(name=f"verity_gated_delta_{int(masked)}", input_names=inputs,
+                                               output_names=["y", "state_out"], source=source, header=_HEADER)
+    return _kernels[masked]
 
 
-def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, keep: bool = False):
+def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk]; mask [B, T].
-    Returns (y [B, T, Hv, Dv], the final state, and with `keep` the state after every token
-    [T, B, Hv, Dv, Dk])."""
+    Returns (y [B, T, Hv, Dv], the final state). B and T are runtime values: a new batch size or
+    width compiles nothing (each compile took 1-2 s on the GPU)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    inputs = [q, k, v, g, beta, state] + ([mask.astype(mx.bool_)] if mask is not None else [])
-    shapes = [(B, T, Hv, Dv), state.shape] + ([(T, *state.shape)] if keep else [])
-    out = _kernel(mask is not None, keep)(
+    dims = _dims.get(T)
+    if dims is None:
+        dims = _dims[T] = mx.array([T], dtype=mx.int32)
+    inputs = [q, k, v, g, beta, state, dims] + ([mask.astype(mx.bool_)] if mask is not None else [])
+    out = _kernel(mask is not None)(
         inputs=inputs,
-        template=[("InT", q.dtype), ("StT", state.dtype), ("T", T), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
-                  ("NB", B * Hv * Dv * Dk)],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=shapes, output_dtypes=[q.dtype, state.dtype] + ([state.dtype] if keep else []),
+        output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype],
     )
-    return tuple(out)
+    return out[0], out[1]
 
 
 def zero_state(q: mx.array, v: mx.array) -> mx.array:
@@ -142,7 +139,7 @@ def zero_state(q: mx.array, v: mx.array) -> mx.array:
 def final_state(q, k, v, beta, g, state, mask=None) -> tuple[mx.array, mx.array]:
     """The recurrence's outputs and its last state: this kernel where it runs, else mlx-lm's ops."""
     if available() and fits(q, v):
-        return tuple(recurrence(q, k, v, g, beta, state, mask)[:2])
+        return recurrence(q, k, v, g, beta, state, mask)
     from mlx_lm.models.gated_delta import gated_delta_ops
 
     return gated_delta_ops(q, k, v, g, beta, state, mask)

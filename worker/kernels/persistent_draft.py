@@ -421,6 +421,8 @@ def eligible(cache: list, T: int) -> bool:
         if type(c) is KVCache:
             if c.keys is None or c.offset + T > MAX_S:
                 return False
+        elif hasattr(c, "update_and_fetch"):  # another attention cache (a batch's slot view)
+            return False
         elif c[0] is None or c[1] is None or getattr(c, "record", False):
             return False
     return True
