@@ -1,16 +1,19 @@
-"""`verity bench gpu`: decoding speed at real model sizes (Qwen3.5-9B target, 0.8B draft shapes,
-random weights) wherever MLX has a GPU; `--small` runs the same code on tiny shapes anywhere.
+"""`verity bench gpu`: one request's decoding speed at real model sizes (Qwen3.5-9B target, 0.8B
+draft shapes, random weights) wherever MLX has a GPU; `--small` runs the same code on tiny shapes
+anywhere. Every decode runs through verity's engine (worker/engine.py) with one request, as a
+server with one client runs it.
 
-Measured in one run: the device's copy bandwidth; plain decoding against the roofline (weight
-bytes read per token ÷ that bandwidth); the target's forward cost for 1, 2, 4, 8, 16 tokens (a
+Measured in one run: the device's copy bandwidth; plain decoding (the engine's baseline row)
+against the roofline (weight bytes read per token ÷ that bandwidth) and against mlx-lm's
+generate_step; the target's forward cost for 1, 2, 4, 8, 16 tokens on the engine's slot batch (a
 verify of k drafts is a forward of k + 1); the draft's one-token step; joint decoding with the
-controlled-acceptance draft at several α under both recovery paths, for fixed k and adaptive:
-at each (α, recovery) the configurations alternate over the repeats, each repeat with its own
-plain run, and ratios are medians of the per-repeat ratios; adaptive against the best fixed k is
-then measured again in pairs of runs back to back between plain runs (--pair-repeats), whose
-ratios to each other and to plain the adaptive goal reads. The headline (α = 0.8, fast, the best
-fixed k ÷ plain) is the median over that k's repeats and its runs in those pairs, each ÷ the plain
-runs either side of it: four repeats alone read 1.47 where the same run's twelve read 1.51.
+controlled-acceptance draft (bench/drafters.py) at several α under both recovery paths, for fixed
+k and adaptive: at each (α, recovery) the configurations alternate over the repeats, each run
+between two plain runs, and ratios are medians of the per-run ratios; adaptive against the best
+fixed k is then measured again in pairs of runs back to back between plain runs (--pair-repeats),
+whose ratios to each other and to plain the adaptive goal reads. The headline (α = 0.8, fast, the
+best fixed k ÷ plain) is the median over that k's repeats and its runs in those pairs, each ÷ the
+plain runs either side of it: four repeats alone read 1.47 where the same run's twelve read 1.51.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from bench import common as bench
 print_report = bench.print_report
 
 ALPHAS = (0.6, 0.8, 0.95)
-KS = (0, 1, 2, 4, 8)  # k = 0: the joint path's own plain cycles (its overhead over mlx-lm's loop)
+KS = (0, 1, 2, 4, 8)  # k = 0: a joint row that never drafts (its draft fed in step: the joint row's overhead)
 FORWARD_TOKENS = (1, 2, 4, 8, 16)
 GOALS = dict(roofline=0.40, joint_vs_plain=1.5, adaptive_vs_best=0.95, adaptive_vs_plain=0.97)
 REPORT_S = 15.0  # what --time-budget keeps back for the report after the last block
@@ -48,78 +51,72 @@ def run_gpu(args: argparse.Namespace) -> int:
     from worker.backend_env import CUDA_GRAPH_ENV, apply
 
     apply()
+    from bench import engine_runs as er
+    from bench import gpu_models as gm
     from bench import gpu_rounds as gb
+    from worker.kernels import fast_draft
 
     global _T0
     _T0 = time.perf_counter()
 
-    dtype = gb.DTYPES[args.dtype]
-    tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
+    dtype = gm.DTYPES[args.dtype]
+    tcfg, dcfg = dict(gm.TARGET_9B), dict(gm.DRAFT_08B)
     if args.small:
-        tcfg.update(gb.SMALL)
-        dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
-    progress(f"device {gb.device()}; building target and draft ({args.dtype}, bits={args.bits})")
-    target = gb.build(tcfg, dtype, 0, args.bits)
-    draft = gb.build(dcfg, dtype, 1, args.bits)
-    fig: dict = {"device": gb.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small, "gdn": args.gdn,
+        tcfg.update(gm.SMALL)
+        dcfg.update(gm.SMALL, hidden_size=128, intermediate_size=256)
+    progress(f"device {gm.device()}; building target and draft ({args.dtype}, bits={args.bits})")
+    target = gm.build(tcfg, dtype, 0, args.bits)
+    draft = gm.build(dcfg, dtype, 1, args.bits)
+    vocab = tcfg["vocab_size"]
+    tlm, dlm = er.served(target, vocab, "target"), er.served(draft, vocab, "draft")
+    dfwd = fast_draft.where_it_runs(draft)  # the draft's forward as the engine runs it
+    fig: dict = {"device": gm.device(), "dtype": args.dtype, "bits": args.bits, "small": args.small, "gdn": args.gdn,
                  "side_by_side": args.side_by_side, "time_budget_s": args.time_budget,
                  "env": {k: os.environ.get(k) for k in CUDA_GRAPH_ENV},
-                 "target_params": gb.n_params(target), "draft_params": gb.n_params(draft)}
-    fig["copy_bandwidth_GBps"] = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30) / 1e9
+                 "target_params": gm.n_params(target), "draft_params": gm.n_params(draft)}
+    fig["copy_bandwidth_GBps"] = gm.copy_bandwidth(32 << 20 if args.small else 2 << 30) / 1e9
     prompt = list(range(1, args.prompt_tokens + 1))
     reps = args.probe_repeats * 3
-    if gb.kernel_available() and args.side_by_side:
-        fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, prompt, args, reps)
-    elif gb.kernel_available():
+    plain_engine = er.engine(tlm)
+    plain_run = lambda: er.run_one(plain_engine, prompt, args.tokens, "baseline")  # noqa: E731
+    if gm.kernel_available() and args.side_by_side:
+        fig["gdn_kernel"] = _kernel_side_by_side(gb, target, draft, plain_run, args, reps)
+    elif gm.kernel_available():
         from worker.kernels import gdn as gdn_kernel
 
         gdn_kernel.set_enabled(args.gdn == "kernel")
-    fig["draft_step_ms"], fig["draft_chain_step_ms"], fig["plain_tps_by_mode"] = {}, {}, {}
-    for mode in gb.MODES if args.side_by_side else (args.mode,):  # side by side; the rest of the run uses --mode's choice
-        gb.set_mode(target, mode)
-        gb.set_mode(draft, mode)
-        fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
-        fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
-        gb.plain_decode(target, prompt, 8)  # warm-up
-        fig["plain_tps_by_mode"][mode] = statistics.median(gb.plain_decode(target, prompt, args.tokens)[0]
-                                                           for _ in range(args.probe_repeats))
-        progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f}), "
-                 f"plain {fig['plain_tps_by_mode'][mode]:.1f} tok/s")
-    if args.bits is None:  # the draft's few-kernel path (worker/kernels/fast_draft.py): unquantized layers only
+    fig["draft_forward"] = "kernels" if dfwd else "mlx-lm"
+    fig["draft_step_ms"] = 1e3 * gb.forward_cost(draft, 1, reps=reps, forward=dfwd)
+    fig["draft_chain_step_ms"] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps, forward=dfwd)
+    if dfwd:  # mlx-lm's forward beside the kernels'
+        fig["draft_step_mlx_lm_ms"] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
+    if args.bits is None:  # the draft kernels' path (worker/kernels/fast_draft.py): unquantized layers only
         fig["fast_check"] = gb.fast_check(draft)
         progress(f"draft kernels' path against its ops and mlx-lm's forward: {fig['fast_check']}")
-        drafts = ("kernels", "persistent") if fig["fast_check"]["persistent_ran"] else ("kernels",)
-        used = [m for m in drafts if m == args.draft_mode] or ([] if args.draft_mode == "mode" else drafts[-1:])
-        for mode in drafts if args.side_by_side else used:
-            gb.set_mode(draft, mode)
-            fig["draft_step_ms"][mode] = 1e3 * gb.forward_cost(draft, 1, reps=reps)
-            fig["draft_chain_step_ms"][mode] = 1e3 * gb.draft_chain_cost(draft, 4, reps=reps)
-            progress(f"{mode}: draft step {fig['draft_step_ms'][mode]:.1f} ms (chained {fig['draft_chain_step_ms'][mode]:.1f})")
-    fig["mode"] = args.mode
-    fig["draft_mode"] = args.mode if args.draft_mode == "mode" or args.bits else args.draft_mode
-    if fig["draft_mode"] == "persistent" and not (fig.get("fast_check") or {}).get("persistent_ran"):
-        fig["draft_mode"] = "kernels"  # the one-launch step runs on CUDA only
-    gb.set_mode(target, args.mode)
-    gb.set_mode(draft, fig["draft_mode"])
-    plain = fig["plain_tps_by_mode"][fig["mode"]]
-    reference = gb.greedy_reference(target, prompt, args.tokens)
-    bpt = gb.bytes_per_token(target, tcfg)
+    er.run_one(plain_engine, prompt, 8, "baseline")  # warm-up
+    plains = [plain_run() for _ in range(args.probe_repeats)]
+    reference = plains[0].tokens
+    plain = statistics.median(r.tps for r in plains)
+    mlx_lm = [gb.mlx_lm_decode(target, prompt, args.tokens) for _ in range(args.probe_repeats)]
+    bpt = gm.bytes_per_token(target, tcfg)
     roof = fig["copy_bandwidth_GBps"] * 1e9 / bpt
-    fig.update(plain_tps=plain, bytes_per_token=bpt, roofline_tps=roof, plain_vs_roofline=plain / roof)
-    progress(f"plain {plain:.1f} tok/s, roofline {roof:.1f} tok/s")
+    fig.update(plain_tps=plain, mlx_lm_tps=statistics.median(t for t, _ in mlx_lm), bytes_per_token=bpt,
+               roofline_tps=roof, plain_vs_roofline=plain / roof, plain_equals_mlx_lm=mlx_lm[0][1] == reference)
+    fig["plain_vs_mlx_lm"] = plain / fig["mlx_lm_tps"]
+    progress(f"plain {plain:.1f} tok/s (mlx-lm {fig['mlx_lm_tps']:.1f}), roofline {roof:.1f} tok/s; "
+             f"draft step {fig['draft_step_ms']:.1f} ms (chained {fig['draft_chain_step_ms']:.1f})")
     fig["target_forward_ms"] = {n: 1e3 * gb.forward_cost(target, n, reps=reps) for n in FORWARD_TOKENS}
     fig["target_forward_recorded_ms"] = {n: 1e3 * gb.forward_cost(target, n, reps=reps, record=True)
                                          for n in FORWARD_TOKENS[1:]}
-    vocab = tcfg["vocab_size"]
-    forced = not args.small and not args.reference_acceptance  # random bf16 weights at full size: see ForcedDecoder
+    forced = not args.small and not args.reference_acceptance  # random bf16 weights at full size: see Controlled
     fig["acceptance_by"] = "the draft's intent (forced)" if forced else "token comparison"
-    fig["warm_joint_s"] = gb.warm_joint_shapes(target, draft, len(prompt) + args.tokens)
+    fig["warm_joint_s"] = gb.warm_joint_shapes(target, draft, draft_forward=dfwd)
     progress(f"every joint shape compiled in {fig['warm_joint_s']:.1f} s")
     rows, fig["joint"] = [], []
     blocks = [(alpha, recovery) for alpha in args.alphas for recovery in args.recoveries]
     budget = PairTime(None if args.time_budget is None else _T0 + args.time_budget)
     for i, (alpha, recovery) in enumerate(blocks):
-        rows += _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced,
+        rows += _joint_rows(er, fig, (tlm, dlm), prompt, reference, alpha, recovery, args, forced, plain_run,
                             lambda block_s: budget.pairs_until(recovery, block_s, blocks[i + 1:]))
     fig["pairs_by_alpha"] = {j["alpha"]: len(j["pairs_vs_best"]) for j in fig["joint"] if "pairs_vs_best" in j}
     _goals(fig)
@@ -127,23 +124,25 @@ def run_gpu(args: argparse.Namespace) -> int:
         f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; target {fig['target_params'] / 1e9:.2f} B, "
         f"draft {fig['draft_params'] / 1e9:.2f} B params ({args.dtype}{', ' + str(args.bits) + '-bit' if args.bits else ''}); "
         + " ".join(f"{k}={v}" for k, v in fig["env"].items()),
-        f"plain decoding {plain:.1f} tok/s = {fig['plain_vs_roofline']:.0%} of the roofline {roof:.1f} tok/s "
-        f"({bpt / 1e9:.1f} GB a token); forward {fig['mode']} (plain tok/s "
-        + ", ".join(f"{m} {v:.1f}" for m, v in fig["plain_tps_by_mode"].items()) + ")",
+        f"plain decoding (the engine, one request) {plain:.1f} tok/s = {fig['plain_vs_roofline']:.0%} of the roofline "
+        f"{roof:.1f} tok/s ({bpt / 1e9:.1f} GB a token), {fig['plain_vs_mlx_lm']:.2f}× mlx-lm's generate_step "
+        f"({fig['mlx_lm_tps']:.1f} tok/s; same tokens: {fig['plain_equals_mlx_lm']})",
         _kernel_line(fig),
-        f"target forward ms by tokens ({fig['mode']}): " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
+        "target forward ms by tokens (one-row slot batch): " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_ms"].items())
         + "; recorded: " + ", ".join(f"{n}: {v:.1f}" for n, v in fig["target_forward_recorded_ms"].items()),
-        "draft step ms " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_step_ms"].items())
-        + "; chained 4 on the device: " + ", ".join(f"{m} {v:.1f}" for m, v in fig["draft_chain_step_ms"].items())
-        + f"; the joint runs' draft: {fig['draft_mode']}; every joint shape compiled first ({fig['warm_joint_s']:.0f} s)",
+        f"draft step ({fig['draft_forward']} forward, as the engine's) {fig['draft_step_ms']:.1f} ms"
+        + (f" (mlx-lm's {fig['draft_step_mlx_lm_ms']:.1f})" if "draft_step_mlx_lm_ms" in fig else "")
+        + f"; chained 4 on the device {fig['draft_chain_step_ms']:.1f} ms a step; every joint shape compiled first "
+        f"({fig['warm_joint_s']:.0f} s)",
         _fast_line(fig),
         "×plain: median over the repeats of the run's tokens/s ÷ the mean of the plain runs just before and after it; "
         "adaptive ÷ best fixed k, and ÷ plain (fast; medians of pairs of runs back to back between plain runs, and "
         "in brackets of the repeats, each paired so): " + ", ".join(
             f"α={j['alpha']} {j['vs_best_fixed']:.2f} ({j['vs_best_fixed_in_repeats']:.2f}) in {len(j.get('pairs_vs_best', []))} pairs, "
             f"÷ plain {j['vs_plain_goal']:.2f} ({j['vs_plain']:.2f})" for j in fig["joint"] if "vs_best_fixed" in j),
-        f"acceptance by {fig['acceptance_by']}; exact = runs whose tokens equal the target's own greedy tokens "
-        "(forced acceptance emits accepted drafts, so there it is not expected)",
+        f"acceptance by {fig['acceptance_by']}; exact = runs whose tokens equal the engine's plain tokens "
+        "(forced acceptance emits accepted drafts, so there it is not expected); draft / verify / recovery: "
+        "shares of the drafting rounds' time",
         f"goals: plain ≥ {GOALS['roofline']:.0%} of roofline: {fig['goals']['roofline']}; joint at α=0.8 (fast, best k) "
         f"≥ {GOALS['joint_vs_plain']}× plain: {fig['goals']['joint_vs_plain']}; adaptive within 5% of best k and "
         f"≥ 0.97× plain at every α: {fig['goals']['adaptive']}; headline ratio {fig['ratio']:.2f} (the best k's repeats and "
@@ -154,28 +153,26 @@ def run_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kernel_side_by_side(gb, target, draft, prompt, args, reps) -> dict:
+def _kernel_side_by_side(gb, target, draft, plain_run, args, reps) -> dict:
     """The Gated-DeltaNet recurrence as one kernel (worker/kernels/gdn.py) against mlx-lm's
-    per-token ops, eager forwards, alternated over the repeats: its agreement with the ops, plain
-    decoding, the target's forward for 1 and 4 tokens, the draft's step. The rest of the run uses
-    the kernel unless --gdn ops."""
+    per-token ops, alternated over the repeats: its agreement with the ops, plain decoding, the
+    target's forward for 1 and 4 tokens, the draft's step. The rest of the run uses the kernel
+    unless --gdn ops."""
     from worker.kernels import gdn as gdn_kernel
 
     out = {"check": gb.kernel_check(target)}
     progress(f"Gated-DeltaNet kernel against ops: {out['check']}")
-    for m in (target, draft):
-        gb.set_mode(m, "eager")
     figures: dict = {"ops": {}, "kernel": {}}
     for rep in range(args.probe_repeats):
         for name in ("ops", "kernel") if rep % 2 == 0 else ("kernel", "ops"):
             gdn_kernel.set_enabled(name == "kernel")
             f = figures[name]
-            gb.plain_decode(target, prompt, 8)
-            f.setdefault("plain_tps", []).append(gb.plain_decode(target, prompt, args.tokens)[0])
+            plain_run()
+            f.setdefault("plain_tps", []).append(plain_run().tps)
             for n in (1, 4):
                 f.setdefault(f"target_forward_{n}_ms", []).append(1e3 * gb.forward_cost(target, n, reps=reps))
             f.setdefault("target_forward_4_recorded_ms", []).append(1e3 * gb.forward_cost(target, 4, reps=reps, record=True))
-            f.setdefault("draft_step_ms", []).append(1e3 * gb.forward_cost(draft, 1, reps=reps))
+            f.setdefault("draft_step_ms", []).append(1e3 * gb.forward_cost(draft, 1, reps=reps))  # mlx-lm's forward
     gdn_kernel.set_enabled(args.gdn == "kernel")
     for name, f in figures.items():
         out[name] = {k: statistics.median(v) for k, v in f.items()}
@@ -203,21 +200,23 @@ class PairTime:
         return now + (self.end - REPORT_S - now - ahead) / shares
 
 
-def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args, vocab, forced,
+def _joint_rows(er, fig, models, prompt, reference, alpha, recovery, args, forced, plain_run,
                 pairs_until=lambda block_s: None) -> list[tuple]:
     """Every configuration at one (α, recovery), alternating over the repeats, each run between
     two plain runs: its ratio to plain is to the mean of those two, and a row's ratio is the
     median over the repeats. The host's pace changes in spells of seconds (plain runs of one
     repeat read 72-110 tok/s, of one bench 76-179): a plain run per repeat, up to six runs away,
     left identical work reading 0.76-1.11 of itself."""
-    from worker.scheduler import Scheduler
+    from bench.drafters import controls
 
+    tlm, dlm = models
     ks = [k for k in args.ks if k or recovery == "fast"]  # k = 0 drafts nothing and recovers nothing: run once
     configs = [("adaptive" if k is None else f"k={k}", k) for k in ks + [None]]
-    logs = {name: _log_path(args, f"a{alpha}-{recovery}-{name.replace('=', '')}") for name, k in configs}  # fixed k's rounds beside adaptive's
-    scheds = {name: Scheduler(fixed=k, log_path=logs[name]) for name, k in configs}  # each learns across its runs, as a server's would
-    run = lambda name, k: gb.joint_decode(target, draft, prompt, reference, lambda p: alpha, args.tokens,  # noqa: E731
-                                          recovery, k, vocab, scheds[name], forced)
+    refs = {tuple(prompt): (0, reference)}
+    make = controls(refs, lambda p: alpha, tlm.tokenizer.vocab_size, forced)
+    engines = {name: er.engine(tlm, dlm, k, recovery, _log_path(args, f"a{alpha}-{recovery}-{name.replace('=', '')}"),
+                               make) for name, k in configs}  # each learns across its runs, as a server's would
+    run = lambda name, k: er.run_one(engines[name], prompt, args.tokens)  # noqa: E731
     t0 = time.perf_counter()
     for _ in range(WARMUP_RUNS):  # shapes compile, the scheduler learns
         for name, k in configs:
@@ -225,32 +224,31 @@ def _joint_rows(gb, fig, target, draft, prompt, reference, alpha, recovery, args
     runs: dict = {name: [] for name, _ in configs}
     paired: dict = {name: [] for name, _ in configs}  # the mean of the plain runs either side of each run
     for rep in range(args.repeats):
-        before = gb.plain_decode(target, prompt, args.tokens)[0]
+        before = plain_run().tps
         for name, k in configs if rep % 2 == 0 else configs[::-1]:
             runs[name].append(run(name, k))
-            after = gb.plain_decode(target, prompt, args.tokens)[0]
+            after = plain_run().tps
             paired[name].append((before + after) / 2)
             before = after
     out = []
     for name, _ in configs:
         rs, plain = runs[name], paired[name]
-        r = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
-        vs_plain = statistics.median(x.tokens_per_s / p for x, p in zip(rs, plain))
+        r = sorted(rs, key=lambda r: r.tps)[len(rs) // 2]
+        vs_plain = statistics.median(x.tps / p for x, p in zip(rs, plain))
         differ = sum(x.tokens != reference[: len(x.tokens)] for x in rs)
-        cycle = r.draft_s + r.verify_s + r.recovery_s
-        fig["joint"].append({"alpha": alpha, "recovery": recovery, "config": name, "tps": r.tokens_per_s,
-                             "vs_plain": vs_plain, "runs_tps": [x.tokens_per_s for x in rs], "plain_tps": plain,
+        cycle = (r.draft_s + r.verify_s + r.recovery_s) or float("nan")  # k = 0: no drafting round
+        fig["joint"].append({"alpha": alpha, "recovery": recovery, "config": name, "tps": r.tps,
+                             "vs_plain": vs_plain, "runs_tps": [x.tps for x in rs], "plain_tps": plain,
                              "acceptance": r.acceptance, "budget_mean": r.budget_mean,
                              "draft_share": r.draft_s / cycle, "verify_share": r.verify_s / cycle,
                              "recovery_share": r.recovery_s / cycle, "runs_differing_from_reference": differ})
-        out.append((f"α={alpha}", recovery, name, f"{r.tokens_per_s:.1f}", f"{vs_plain:.2f}", f"{r.acceptance:.2f}",
+        out.append((f"α={alpha}", recovery, name, f"{r.tps:.1f}", f"{vs_plain:.2f}", f"{r.acceptance:.2f}",
                     f"{r.budget_mean:.1f}", f"{r.draft_s / cycle:.0%}", f"{r.verify_s / cycle:.0%}",
                     f"{r.recovery_s / cycle:.1%}", f"{len(rs) - differ}/{len(rs)}"))
-        progress(f"  α={alpha} {recovery} {name}: {r.tokens_per_s:.1f} tok/s, {vs_plain:.2f}× plain")
+        progress(f"  α={alpha} {recovery} {name}: {r.tps:.1f} tok/s, {vs_plain:.2f}× plain")
     until = pairs_until(time.perf_counter() - t0)
     if recovery == "fast" and args.pair_repeats:
-        _pairs(fig["joint"][-len(configs):], dict(configs), run, args.pair_repeats,
-               lambda: gb.plain_decode(target, prompt, args.tokens)[0], until)
+        _pairs(fig["joint"][-len(configs):], dict(configs), run, args.pair_repeats, lambda: plain_run().tps, until)
     return out
 
 
@@ -273,7 +271,7 @@ def _pairs(rows: list[dict], ks: dict, run, n: int, plain, until: float | None =
         if i >= n and (until is None or i % 2 == 0 and time.perf_counter() + 2 * pair_s > until):
             break
         order = ["adaptive", best["config"]] if i % 2 == 0 else [best["config"], "adaptive"]
-        tps = {name: run(name, ks[name]).tokens_per_s for name in order}
+        tps = {name: run(name, ks[name]).tps for name in order}
         after = plain()
         ratios.append(tps["adaptive"] / tps[best["config"]])
         vs_plain.append(tps["adaptive"] / ((before + after) / 2))
@@ -311,7 +309,7 @@ def _kernel_line(fig: dict) -> str:
 def _fast_line(fig: dict) -> str:
     c = fig.get("fast_check")
     if not c:
-        return "draft kernels' path: not run (quantized weights)"
+        return "draft kernels' path: not checked (quantized weights)"
     return (f"draft kernels' path ({'CUDA kernels' if c['kernels_ran'] else 'their ops: no CUDA here'}), logits of 1 / 2 tokens "
             f"(of {c['logits_1_max_abs']:.2g} / {c['logits_2_max_abs']:.2g}): kernels − ops {c['logits_1_kernel_vs_ops']:.2g} / "
             f"{c['logits_2_kernel_vs_ops']:.2g}, kernels − mlx-lm {c['logits_1_kernel_vs_mlx_lm']:.2g} / "
@@ -351,24 +349,17 @@ def _goals(fig: dict) -> None:
 
 
 def add_command(benches) -> None:
-    p = benches.add_parser("gpu", help="speed at Qwen3.5-9B/0.8B sizes where MLX has a GPU")
+    p = benches.add_parser("gpu", help="one request's speed at Qwen3.5-9B/0.8B sizes where MLX has a GPU")
     p.add_argument("--small", action="store_true", help="tiny shapes (a check on any device)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--bits", type=int, default=None, help="quantize weights (e.g. 4)")
-    p.add_argument("--mode", choices=("eager", "fused", "static"), default="static",
-                   help="the forward of plain and joint runs: mlx-lm's eager layers, compiled Gated-DeltaNet layers, "
-                        "or the whole forward compiled on fixed-shape state (default; all three are measured side by side)")
-    p.add_argument("--draft-mode", choices=("persistent", "kernels", "mode"), default="persistent",
-                   help="the draft's forward in the joint runs: narrow forwards in one launch for all layers "
-                        "(default; CUDA, unquantized weights; else kernels), in a few large kernels a layer, or "
-                        "--mode's like the target's (all measured side by side)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="alternated repeats of each joint configuration")
     p.add_argument("--pair-repeats", type=int, default=8,
                    help="pairs of runs back to back, adaptive and the best fixed k (fast), whose ratios the adaptive goal reads")
     p.add_argument("--probe-repeats", type=int, default=3,
-                   help="repeats of the side-by-side figures before the joint rows (kernels, modes, forward costs)")
+                   help="repeats of the figures before the joint rows (plain runs, forward costs, the kernel side by side)")
     p.add_argument("--alphas", type=float, nargs="*", default=ALPHAS)
     p.add_argument("--recoveries", nargs="+", choices=("fast", "replay"), default=["fast", "replay"],
                    help="the joint rows' recovery paths (the goals read the fast rows; the replay rows take about a quarter "
@@ -377,8 +368,7 @@ def add_command(benches) -> None:
                    help="seconds the whole run may take: each α's pairs then run past --pair-repeats while the "
                         "blocks still to come, as this run timed its own, leave time for them (a device call's limit)")
     p.add_argument("--no-side-by-side", dest="side_by_side", action="store_false",
-                   help="measure only the forwards the joint rows use (--mode, --draft-mode, --gdn), not the others "
-                        "beside them: time for more pairs")
+                   help="skip the Gated-DeltaNet kernel against mlx-lm's ops (CUDA): time for more pairs")
     p.add_argument("--ks", type=int, nargs="*", default=KS)
     p.add_argument("--reference-acceptance", action="store_true",
                    help="accept by comparing tokens even at full size (random bf16 weights flip near-ties: α drifts)")
@@ -390,4 +380,3 @@ def add_command(benches) -> None:
                         "(one JSON-lines file each, for `verity replay`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu)
-

@@ -1,93 +1,92 @@
-"""Speed at real model sizes: Qwen3.5-9B- and 0.8B-shaped models with random weights.
-
-Speed depends on shapes, not on weight values, so the models are built from their
-configurations (bf16 by default). Runs wherever MLX has a GPU; `small=True` shrinks every shape
-for a check on the CPU. Everything is timed after a warm-up of the same shape (the first
-forward of a new shape compiles kernels on CUDA).
+"""What `verity bench gpu` measures besides whole runs: forward costs on the engine's slot batch,
+the draft's chained steps, and the kernels' numerical checks, on the shapes bench/gpu_models.py
+builds (random weights). Everything is timed after a warm-up of the same shape (the first forward
+of a new shape compiles kernels on CUDA). Forwards run as the engine runs them: on a one-row slot
+batch (worker/batch/slotbatch.py), through mlx-lm's model code, the draft's through the kernels'
+path where it runs (worker/kernels/fast_draft.py).
 """
 
 from __future__ import annotations
 
-import itertools
-import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models import qwen3_5
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache
 
-from worker.scheduler import Scheduler
+from bench.gpu_models import median_time
+from worker.batch.slotbatch import SlotBatch
+from worker.batch.slots import Span
 from worker.state import checkpoint as st
-from bench.drafters import ControlledDrafter, ForcedDecoder, ForcedDrafter
-from worker.kernels.fast_draft import set_fast
-from bench.fused import set_fused
-from worker.joint.decoder import JointDecoder
-from worker.round import Row, plan_round, run_round
-from worker.joint.sampling import SamplingParams
-from bench.static import set_static
-from bench.gpu_models import (DRAFT_08B, DTYPES, SMALL, TARGET_9B, build, bytes_per_token, copy_bandwidth,  # noqa: F401
-                              device, kernel_available, median_time, n_params)
-
-MODES = ("eager", "fused", "static")
-DRAFT_MODES = MODES + ("kernels", "persistent")
 
 
-def set_mode(model, mode: str) -> None:
-    """eager: mlx-lm's layers; fused: Gated-DeltaNet layers compiled one by one (bench/fused.py);
-    static: the whole forward compiled on fixed-shape state (bench/static.py); kernels (a draft's):
-    narrow forwards in a few large kernels a layer (worker/kernels/fast_draft.py), the rest eager."""
-    set_fast(model, False)
-    set_static(model, mode == "static")
-    set_fused(model, mode == "fused")
-    if mode in ("kernels", "persistent") and not set_fast(model, persistent=mode == "persistent"):
-        raise ValueError("the kernels' path needs a Qwen3.5 model of unquantized linear layers")
+def one_row(model, context: int, forward=None) -> SlotBatch:
+    """A slot batch of one row holding `context` tokens (`forward`: the model's, as the engine's)."""
+    b = SlotBatch(model, forward)
+    b.add("r")
+    b.commit(b.forward(["r"], mx.array([list(range(1, context + 1))]), [context]), [context])
+    mx.eval(b.arrays())
+    return b
 
 
-def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, record: bool = False) -> float:
-    """Seconds for one forward of n_tokens after `context` tokens (a verify of n_tokens - 1 drafts)."""
-    cache = st.make_cache(model)
-    mx.eval(model(mx.array([list(range(1, context + 1))]), cache=cache))
+def _back(b: SlotBatch, context: int, start: list) -> None:
+    """The row back to `context` tokens: KV by its length, the recurrent state put back."""
+    b.lengths["r"] = context
+    b.put_recurrent(["r"], start)
+
+
+def forward_cost(model, n_tokens: int, context: int = 256, reps: int = 10, record: bool = False,
+                 forward=None) -> float:
+    """Seconds for one forward of n_tokens after `context` tokens and its commit of them all (a
+    verify of n_tokens - 1 drafts: `record`, its recurrent states kept by position), on a
+    one-row slot batch put back after each."""
+    b = one_row(model, context, forward)
+    start = b.recurrent_rows(Span(0, 1, (), ()))
     x = mx.array([[7] * n_tokens])
 
     def step():
-        st.set_record(cache, record)
-        out = model(x, cache=cache)
-        for c in cache:
-            if isinstance(c, st.RecordingArraysCache):
-                c.clear_record()
-        return out
+        f = b.forward(["r"], x, [n_tokens], record=record)
+        b.commit(f, [n_tokens])
+        mx.eval(f.logits, b.arrays())
+        _back(b, context, start)
+        return f.logits
 
-    def trimmed():
-        out = step()
+    return median_time(step, reps)
+
+
+def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10, forward=None) -> float:
+    """Seconds per step of k greedy one-token steps chained on the device (each step's argmax is
+    the next input, one evaluation at the end), as the draft proposes in the engine."""
+    b = one_row(model, context, forward)
+    start = b.recurrent_rows(Span(0, 1, (), ()))
+
+    def chain():
+        x, out = mx.array([[7]]), []
+        for _ in range(k):
+            f = b.forward(["r"], x, [1])
+            b.commit(f, [1])
+            x = mx.argmax(f.logits[:, -1:], axis=-1)
+            out.append(x)
         mx.eval(out)
-        for c in cache:  # back to `context` tokens: KV by offset, recurrent state left as is
-            if not isinstance(c, st.RecordingArraysCache):
-                c.trim(n_tokens)
+        _back(b, context, start)
         return out
 
-    return median_time(trimmed, reps)
+    return median_time(chain, reps) / k
 
 
-def warm_joint_shapes(target, draft, longest: int) -> float:
-    """Compiles every shape a joint run may meet; returns the seconds it took. A new shape compiles
-    for seconds on the device (the target's static trace per verify width, the one-launch draft
-    step per width, an eager draft forward per input length), and an adaptive run, which may draft
-    any depth and catch its draft up on any lag, met them in its timed runs (two runs of 20 tok/s
-    where others read 130). The target: verifies of 1 to POSITIONS + 1 tokens, recorded or not;
-    the draft: forwards of 1 to MAX_T tokens and its catch-up pieces (powers of two up to `longest`)."""
+def warm_joint_shapes(target, draft, widest_catch_up: int = 8, draft_forward=None) -> float:
+    """Compiles the shapes a joint run of one request meets; returns the seconds it took (a new
+    shape compiles for seconds on a GPU, and an adaptive run, which may draft any depth, met them
+    in its timed runs). The target: verifies of 1 to POSITIONS + 1 tokens, recorded or not; the
+    draft: forwards of 1 to `widest_catch_up` tokens (its proposals and catch-ups)."""
     from worker.scheduler import POSITIONS
-    from worker.kernels.draft import MAX_T
 
     t0 = time.perf_counter()
     for n in range(1, POSITIONS + 2):
         for record in (False, True):
             forward_cost(target, n, reps=1, record=record)
-    pieces = [1 << i for i in range(max(1, longest).bit_length())]
-    for n in sorted(set(range(1, MAX_T + 1)) | set(pieces)):
-        forward_cost(draft, n, reps=1)
+    for n in range(1, widest_catch_up + 1):
+        forward_cost(draft, n, reps=1, forward=draft_forward)
     return time.perf_counter() - t0
 
 
@@ -153,7 +152,7 @@ def fast_check(model, context: int = 64) -> dict:
         for a in ("kernel", "persistent"):
             if a in got:
                 out[f"argmax_{n}_{a}_agrees"] = bool(mx.array_equal(mx.argmax(got[a], -1), mx.argmax(got["mlx_lm"], -1)).item())
-    recurrent = [i for i, c in enumerate(caches["kernel"]) if isinstance(c, st.RecordingArraysCache)]
+    recurrent = [i for i, c in enumerate(caches["kernel"]) if isinstance(c, ArraysCache)]
     diff = lambda a, b: max(mx.abs(caches[a][i][1].astype(mx.float32) - caches[b][i][1].astype(mx.float32)).max().item()
                             for i in recurrent)  # noqa: E731
     out["state_kernel_vs_ops"] = diff("kernel", "ops")
@@ -164,99 +163,11 @@ def fast_check(model, context: int = 64) -> dict:
     return out
 
 
-def draft_chain_cost(model, k: int, context: int = 256, reps: int = 10) -> float:
-    """Seconds per step of k greedy one-token steps chained on the device (each step's argmax is
-    the next input, one evaluation at the end), as a greedy draft proposes."""
-    cache = st.make_cache(model)
-    mx.eval(model(mx.array([list(range(1, context + 1))]), cache=cache))
-
-    def chain():
-        ck, x, out = st.checkpoint(cache), mx.array([[7]]), []
-        for _ in range(k):
-            x = mx.argmax(model(x, cache=cache)[:, -1:], axis=-1)
-            out.append(x)
-        mx.eval(out)
-        st.rollback(cache, ck)
-        return out
-
-    return median_time(chain, reps) / k
-
-
-def plain_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    """mlx-lm's generate_step, greedy: (decode tokens/s after the first token, the tokens)."""
+def mlx_lm_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """mlx-lm's generate_step, greedy (the reference): (decode tokens/s after the first token, the tokens)."""
     out, t_first = [], 0.0
     for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        out.append(tok)
+        out.append(int(tok))
         if len(out) == 1:
             t_first = time.perf_counter()
     return (n - 1) / (time.perf_counter() - t_first), out
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """The target's greedy tokens as the joint path computes them (argmax of raw logits, one
-    token a forward). mlx-lm's generate_step takes the argmax of bfloat16 log-probabilities, whose
-    coarse rounding ties and flips near-equal tokens of a random-weight model: a reference from it
-    would make the controlled draft's "right" tokens wrong ones."""
-    cache = st.make_cache(model)
-    st.prefill(model, cache, prompt[:-1])
-    out, y = [], prompt[-1]
-    for _ in range(n):
-        y = mx.argmax(model(mx.array([[y]]), cache=cache)[0, -1]).item()
-        out.append(y)
-    return out
-
-
-@dataclass
-class JointRun:
-    tokens_per_s: float
-    acceptance: float
-    budget_mean: float
-    draft_s: float
-    verify_s: float
-    recovery_s: float
-    tokens: list = field(default_factory=list)
-
-
-_RUNS = itertools.count()  # request ids of joint_decode's runs
-
-
-def joint_decode(*args, **kwargs) -> JointRun:
-    """Greedy joint decoding with the controlled-acceptance draft (see _joint_decode), on mlx-lm's
-    generation stream as the engine runs it."""
-    with mx.stream(generation_stream):
-        return _joint_decode(*args, **kwargs)
-
-
-def _joint_decode(target, draft, prompt: list[int], reference: list[int], alpha: Callable[[int], float],
-                  n: int, recovery: str, k: Optional[int], vocab: int, scheduler: Optional[Scheduler] = None,
-                  forced: bool = False) -> JointRun:
-    """k=None: the adaptive scheduler. forced: acceptance by the draft's intent (ForcedDecoder)."""
-    if forced:
-        drafter = ForcedDrafter(draft, reference, alpha, vocab, recovery=recovery)
-        jd = ForcedDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
-    else:
-        drafter = ControlledDrafter(draft, reference, alpha, vocab, recovery=recovery)
-        jd = JointDecoder(target, drafter, prompt, SamplingParams(), recovery=recovery)
-    out = [jd.start()]
-    mx.synchronize()
-    sched = scheduler or Scheduler(fixed=k)
-    rid = f"r{next(_RUNS)}"  # each run a new request, as the engine's: the last run's held plan ends with it
-    t0 = time.perf_counter()
-
-    def emit(row: Row, tokens: list[int]) -> int:
-        keep = min(len(tokens), n - len(out))
-        out.extend(tokens[:keep])
-        return keep
-
-    def fail(row: Row, e: Exception) -> None:
-        raise e
-
-    while len(out) < n:  # the engine's round (worker/round.py), one request
-        sr = plan_round([Row(rid, jd, n - len(out))], sched)
-        sched.observe(run_round(sr, emit, fail))
-    wall = time.perf_counter() - t0
-    s = jd.stats
-    sched.forget(rid)
-    sched.flush_log()  # after the timed run, as the engine does when idle
-    return JointRun((len(out) - 1) / wall, s.accepted / s.drafted if s.drafted else 0.0,
-                    s.drafted / s.cycles if s.cycles else 0.0, s.draft_s, s.verify_s, s.recovery_s, out)

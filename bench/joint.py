@@ -5,9 +5,10 @@ Groups of rows, each with its own target and reference output:
 - llama: a tiny random llama target (hidden 256, 6 layers) with two drafts of its tokenizer: a
   perturbed copy (noise 0.3, as costly as the target) and a one-layer draft (the target's first
   layer, embeddings and head, plus noise: much cheaper). Rows: plain target decoding (mlx-lm
-  generate_step and verity's JointDecoder at k = 0), verity's joint cycle at each k under each
-  recovery path, and mlx-lm's speculative_generate_step with the same draft and k. Then, for
-  each draft and k, a duel: verity (fast) and mlx-lm take turns one cycle at a time, which
+  generate_step, and verity's engine with a joint request that drafts nothing: k = 0), verity's
+  engine (worker/engine.py, one joint request) at each fixed k under each recovery path, and
+  mlx-lm's speculative_generate_step with the same draft and k. Then, for each draft and k, a
+  duel: verity (fast) and mlx-lm take turns one cycle (one engine round) at a time, which
   resolves their ratio far better than whole runs on a shared machine; the headline is its ratio.
 - hybrid: a tiny Qwen3.5 target (Gated DeltaNet + attention) with a perturbed copy as draft.
   mlx-lm refuses it (its caches cannot be trimmed); the row says so.
@@ -21,8 +22,8 @@ Every timed run is checked token for token against the group's greedy baseline (
 generate_step), and runs alternate (ABBA order over the repeats) so that drift on a shared
 machine spreads over all rows; figures are medians.
 
-Decode tokens/s excludes prefill: verity rows count the tokens after start() over the time of
-the cycles; mlx-lm's generate_step the tokens after its first over the time since it; mlx-lm's
+Decode tokens/s excludes prefill: verity rows count the tokens after the first over the time
+since the engine emitted it; mlx-lm's generate_step the tokens after its first over the time since it; mlx-lm's
 speculative_generate_step the tokens after its first cycle (which holds the prefill) over the
 time since that cycle ended.
 
@@ -208,7 +209,7 @@ def report(groups: list[Group], s: argparse.Namespace, wall_s: float) -> tuple[d
 
     lines = [f"[{g.name}] {g.title}" for g in groups] + notes
     lines.append("accept = accepted ÷ drafted (mlx-lm: from its from_draft flags); draft / verify / recov = shares of "
-                 "cycle time from verity's CycleStats (n/a for mlx-lm); × base = tok/s ÷ mlx-lm generate_step's; "
+                 "time of verity's drafting rounds, as its scheduler was told them (n/a for mlx-lm); × base = tok/s ÷ mlx-lm generate_step's; "
                  "exact = every run's output equals the baseline's token for token (✗: mismatching tokens, "
                  "first index)")
     if worst:

@@ -13,30 +13,41 @@ from bench.joint_rows import Group
 
 
 class VerityCycles:
-    """verity's joint decoding (fast recovery) one cycle at a time; restarts (prefill untimed) after n tokens."""
+    """verity's engine (fast recovery, a fixed k) one round at a time, one request in it: a round
+    is a cycle. A generation restarts after n tokens; its prefill and the rounds up to its first
+    token are not timed (as mlx-lm's first cycle)."""
 
-    def __init__(self, model, draft, prompt: list[int], k: int, n: int):
-        self.model, self.draft, self.prompt, self.k, self.n = model, draft, prompt, k, n
-        self.jd, self.out, self.finished = None, [], []
+    def __init__(self, target, draft, prompt: list[int], k: int, n: int):
+        from bench import engine_runs as er
+
+        self.engine = er.engine(target, draft, k, "fast")
+        self.request = er.request(prompt, n, "joint")
+        self.out, self.finished, self.started = [], [], 0
+
+    def _step(self) -> int:
+        from protocol import messages as m
+
+        got = 0
+        for ev in self.engine.step():
+            if isinstance(ev, m.Error):
+                raise RuntimeError(ev.message)
+            if isinstance(ev, m.TextDelta):
+                self.out += ev.token_ids
+                got += len(ev.token_ids)
+        return got
 
     def cycle(self) -> tuple[float, int]:
-        from worker.joint.draft import Drafter
-        from worker.joint.decoder import JointDecoder
-        from worker.joint.sampling import SamplingParams
-
-        if self.jd is None or len(self.out) >= self.n:
-            if self.jd is not None:
+        if not self.engine.has_work():
+            if self.started:
                 self.finished.append(self.out)
-            self.jd = JointDecoder(self.model, Drafter(self.draft, recovery="fast"), self.prompt, SamplingParams(),
-                                   recovery="fast")
-            self.out = [self.jd.start()]
+            self.started += 1
+            self.out = []
+            self.engine.submit(f"duel-{self.started}", self.request)
+            while not self._step():
+                pass
         t0 = time.perf_counter()
-        emitted = self.jd.cycle(min(self.k, self.n - len(self.out) - 1))
-        keep = min(len(emitted), self.n - len(self.out))
-        self.jd.commit(keep)
-        dt = time.perf_counter() - t0
-        self.out += emitted[:keep]
-        return dt, keep
+        got = self._step()
+        return time.perf_counter() - t0, got
 
 
 class MlxCycles:
@@ -78,8 +89,8 @@ def duel(g: Group, draft_name: str, k: int, cycles: int) -> dict:
     """verity (fast) and mlx-lm alternate single cycles (ABBA), so that drift on a shared machine
     hits both alike; returns their tokens/s over all timed cycles and the ratio."""
     draft = g.duel_drafts[draft_name]
-    players = [VerityCycles(g.target.model, draft, g.prompt, k, g.tokens),
-               MlxCycles(g.target.model, draft, g.prompt, k, g.tokens)]
+    players = [VerityCycles(g.target, draft, g.prompt, k, g.tokens),
+               MlxCycles(g.target.model, draft.model, g.prompt, k, g.tokens)]
     for p in players:  # warm-up
         for _ in range(max(3, cycles // 10)):
             p.cycle()

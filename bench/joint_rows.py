@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from bench.engine_runs import Run
+
 RECOVERIES = ("fast", "replay")
 NEAR_TIE = 1e-3  # docs/design.md, "Exactness": a divergence is tolerated only where the top two logits differ less
 
@@ -26,18 +28,6 @@ SMALL_DRAFT_LAYERS, SMALL_DRAFT_NOISE = 1, 0.65  # about half of its proposals a
 HYBRID_SHAPE = dict(hidden=64, layers=4)
 EMBEDDED_DRAFT_SHAPE = dict(hidden=256, layers=2)
 EMBEDDED_VOCAB = 49152
-
-
-@dataclass
-class Run:
-    tokens: list
-    tps: float
-    drafted: int = 0
-    accepted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    recovery_s: float = 0.0
-    accepted_at: list = field(default_factory=list)  # per draft position: [accepted, tried]
 
 
 @dataclass
@@ -73,7 +63,7 @@ class Group:
     target: object  # the LoadedModel
     rows: list
     reference: list = field(default_factory=list)
-    duel_drafts: dict = field(default_factory=dict)  # draft name -> model, for the cycle-interleaved duels
+    duel_drafts: dict = field(default_factory=dict)  # draft name -> LoadedModel, for the cycle-interleaved duels
     duels: dict = field(default_factory=dict)  # draft name -> k -> figures
 
 
@@ -124,26 +114,13 @@ def mlx_speculative(model, draft, prompt: list[int], k: int) -> Callable[[int], 
     return run
 
 
-def verity_joint(model, make_drafter: Callable[[str], object], prompt: list[int], k: int,
-                 recovery: str) -> Callable[[int], Run]:
-    from worker.joint.decoder import JointDecoder
-    from worker.joint.sampling import SamplingParams
+def verity_joint(target, draft, prompt: list[int], k: int, recovery: str, controls=None) -> Callable[[int], Run]:
+    """verity's engine (target and draft: LoadedModels), one joint request at a time at a fixed
+    k; one engine for all the row's runs, as a server's. `controls`: the controlled draft."""
+    from bench import engine_runs as er
 
-    def run(n: int) -> Run:
-        jd = JointDecoder(model, make_drafter(recovery), prompt, SamplingParams(), recovery=recovery)
-        out = [jd.start()]
-        t0 = time.perf_counter()
-        while len(out) < n:
-            emitted = jd.cycle(min(k, n - len(out) - 1))
-            keep = min(len(emitted), n - len(out))
-            jd.commit(keep)
-            out += emitted[:keep]
-        dt = time.perf_counter() - t0
-        s = jd.stats
-        return Run(out, _rate(n - 1, dt), s.drafted, s.accepted, s.draft_s, s.verify_s, s.recovery_s,
-                   [list(x) for x in s.accepted_at])
-
-    return run
+    e = er.engine(target, draft, k, recovery, controls=controls)
+    return lambda n: er.run_one(e, prompt, n)
 
 
 def _rate(n: int, seconds: float) -> float:
@@ -198,28 +175,25 @@ def _params_m(lm, own: bool = False) -> float:
 
 
 def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], None]) -> list[Group]:
-    from worker.loader import check_tokenizers_agree, load_model
-    from bench.drafters import ControlledDrafter
-    from worker.joint.draft import Drafter
-    from worker.state.checkpoint import install_recording
+    from bench.drafters import controls
     from bench.tiny_models import build_tiny_model
+    from worker.loader import check_tokenizers_agree, load_model
+    from worker.state.checkpoint import install_recording
 
     groups = []
 
-    def joint_and_spec(g: Group, draft_name: str, draft_model, mlx_ok: bool) -> None:
+    def joint_and_spec(g: Group, draft_name: str, draft, mlx_ok: bool) -> None:
         for k in s.ks:
             for rec in RECOVERIES:
-                make = lambda r, m=draft_model: Drafter(m, recovery=r)  # noqa: E731
                 g.rows.append(Row(g.name, "verity joint", draft_name, k, rec, None,
-                                  verity_joint(g.target.model, make, g.prompt, k, rec)))
+                                  verity_joint(g.target, draft, g.prompt, k, rec)))
             if mlx_ok:
                 g.rows.append(Row(g.name, "mlx-lm speculative", draft_name, k, None, None,
-                                  mlx_speculative(g.target.model, draft_model, g.prompt, k)))
+                                  mlx_speculative(g.target.model, draft.model, g.prompt, k)))
 
     def baselines(g: Group, k0_draft) -> None:
         g.rows += [Row(g.name, "mlx-lm generate_step", None, 0, None, None, mlx_baseline(g.target.model, g.prompt)),
-                   Row(g.name, "verity k=0", None, 0, "fast", None,
-                       verity_joint(g.target.model, lambda r: Drafter(k0_draft, recovery=r), g.prompt, 0, "fast"))]
+                   Row(g.name, "verity k=0", None, 0, "fast", None, verity_joint(g.target, k0_draft, g.prompt, 0, "fast"))]
 
     if "llama" in s.groups:
         progress("building the llama pair …")
@@ -233,10 +207,10 @@ def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], No
                   f"hidden {LLAMA_SHAPE['hidden']}, {LLAMA_SHAPE['layers']} layers); drafts: perturbed copy "
                   f"(noise {PERTURB_NOISE}), {SMALL_DRAFT_LAYERS}-layer draft ({_params_m(small):.1f} M, noise "
                   f"{SMALL_DRAFT_NOISE})", _prompt(target, s.prompt), s.tiny_tokens, target, [])
-        baselines(g, perturbed.model)
-        joint_and_spec(g, "perturbed", perturbed.model, True)
-        joint_and_spec(g, "1-layer", small.model, True)
-        g.duel_drafts = {"perturbed": perturbed.model, "1-layer": small.model}
+        baselines(g, perturbed)
+        joint_and_spec(g, "perturbed", perturbed, True)
+        joint_and_spec(g, "1-layer", small, True)
+        g.duel_drafts = {"perturbed": perturbed, "1-layer": small}
         groups.append(g)
 
     if "hybrid" in s.groups:
@@ -249,8 +223,8 @@ def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], No
                   f"{HYBRID_SHAPE['hidden']}, {HYBRID_SHAPE['layers']} layers: Gated DeltaNet + attention); "
                   f"draft: perturbed copy (noise {PERTURB_NOISE})", _prompt(target, s.prompt), s.tiny_tokens,
                   target, [])
-        baselines(g, perturbed.model)
-        joint_and_spec(g, "perturbed", perturbed.model, False)
+        baselines(g, perturbed)
+        joint_and_spec(g, "perturbed", perturbed, False)
         g.rows.append(Row(g.name, "mlx-lm speculative", "perturbed", 0, None, None, None,
                           error=_mlx_refusal(target.model, perturbed.model, g.prompt)))
         groups.append(g)
@@ -264,8 +238,8 @@ def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], No
         g = Group("distilled", f"distilled: {target.model_id} ({target.quantization}) with its draft distilled here "
                   f"({draft.model_id}@{draft.revision}, {_params_m(draft, own=True):.1f} M own params)",
                   _prompt(target, s.prompt), s.tokens, target, [])
-        baselines(g, draft.model)
-        joint_and_spec(g, "distilled", draft.model, True)
+        baselines(g, draft)
+        joint_and_spec(g, "distilled", draft, True)
         groups.append(g)
 
     if "embedded" in s.groups:
@@ -280,14 +254,14 @@ def build_groups(root: Path, s: argparse.Namespace, progress: Callable[[str], No
                   f"carried by a random llama ({_params_m(draft):.1f} M params, hidden "
                   f"{EMBEDDED_DRAFT_SHAPE['hidden']}, {EMBEDDED_DRAFT_SHAPE['layers']} layers, vocab {EMBEDDED_VOCAB})",
                   _prompt(target, s.prompt), s.tokens, target, [])
-        baselines(g, draft.model)
+        baselines(g, draft)
+        refs = {tuple(g.prompt): (0, g.reference)}  # the reference: filled in place by measure_group
         for alpha in s.alphas:
+            chosen = controls(refs, lambda _, a=alpha: a, vocab)
             for k in s.ks:
                 for rec in RECOVERIES:
-                    def make(r, a=alpha, ref=g.reference):  # ref: filled in place by measure_group
-                        return ControlledDrafter(draft.model, ref, lambda _: a, vocab, seed=0, recovery=r)
                     g.rows.append(Row(g.name, "verity joint", "controlled", k, rec, alpha,
-                                      verity_joint(target.model, make, g.prompt, k, rec)))
+                                      verity_joint(target, draft, g.prompt, k, rec, chosen)))
         groups.append(g)
     return groups
 

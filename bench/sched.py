@@ -9,8 +9,8 @@ In-process engines (worker/engine.py, the code the worker runs), greedy, EOS ign
   and with α following 0.9 → 0.2 → 0.9 over the output; a small random llama of the embedded
   vocabulary runs its real forward, so drafting costs what a draft of that size costs.
 
-Each scenario runs with 1 and with 4 concurrent requests; with 4, adaptive also runs with
-one-after-another (unbatched) verification. One engine per configuration lives for the whole
+Each scenario runs with 1 and with 4 concurrent requests, every request a row of the engine's one
+batch (worker/batch/). One engine per configuration lives for the whole
 bench (the cost model learns as a server's would), is warmed by WARMUP_RUNS unmeasured runs,
 and the configurations alternate over the repeats. The controlled draft is seeded by the prompt,
 so every configuration meets the same hard tokens. Throughput is completion tokens of all requests over the wall time
@@ -62,19 +62,13 @@ def _chat(text: str, tokens: int, mode: str):
                              ignore_eos=True, mode=mode)
 
 
-def _engine(sc: Scenario, budget: Optional[int], batch: bool, references: dict, log: Optional[str] = None):
+def _engine(sc: Scenario, budget: Optional[int], references: dict, log: Optional[str] = None):
+    from bench.drafters import controls
     from worker.engine import Engine, EngineConfig
-    from bench.drafters import ControlledDrafter
 
-    factory = None
-    if sc.alpha is not None:
-        vocab = len(sc.target.tokenizer)
-
-        def factory(rid, prompt):
-            i, ref = references[tuple(prompt)]  # seeded by the prompt: every configuration meets the same hard tokens
-            return ControlledDrafter(sc.draft.model, ref, sc.alpha, vocab, seed=i)
-    config = EngineConfig(max_active=4, draft_budget=budget, batch_verify=batch, decision_log=log)
-    return Engine(sc.target, config, sc.draft, factory)
+    # the controlled draft's choices: seeded by the prompt, so every configuration meets the same hard tokens
+    chosen = controls(references, sc.alpha, len(sc.target.tokenizer)) if sc.alpha is not None else None
+    return Engine(sc.target, EngineConfig(max_active=4, draft_budget=budget, decision_log=log), sc.draft, chosen)
 
 
 def _run(engine, sc: Scenario, mode: str, n: int) -> tuple[float, list]:
@@ -94,41 +88,37 @@ def _run(engine, sc: Scenario, mode: str, n: int) -> tuple[float, list]:
     return sum(len(r) for r in runs) / wall, runs
 
 
-def _configs(ks: tuple, concurrency: int) -> list[tuple[str, str, Optional[int], bool]]:
+def _configs(ks: tuple) -> list[tuple[str, str, Optional[int]]]:
     """In the order a repeat runs them (the next repeat reverses it): adaptive next to baseline
     and to all but one fixed k, since a ratio is taken within a repeat and the machine's pace
     drifts over the seconds between runs (tiny pair, adaptive and baseline four runs apart:
     paired ÷base 0.79-0.99 where the two ran plain rounds alike)."""
-    fixed = [(f"k={k}", "joint", k, True) for k in ks]
-    rows = fixed[:1] + [("baseline", "baseline", None, True), ("adaptive", "joint", None, True)] + fixed[1:]
-    if concurrency > 1:
-        rows.append(("adaptive, one-after-another", "joint", None, False))
-    return rows
+    fixed = [(f"k={k}", "joint", k) for k in ks]
+    return fixed[:1] + [("baseline", "baseline", None), ("adaptive", "joint", None)] + fixed[1:]
 
 
 def _scenario_rows(sc: Scenario, ks: tuple, concurrency: int, repeats: int, log_dir: Optional[str] = None) -> dict:
     from worker.text import render_prompt
 
-    configs = _configs(ks, concurrency)
-    base_engine = _engine(sc, None, True, {})
+    configs = _configs(ks)
+    base_engine = _engine(sc, None, {})
     _, base_runs = _run(base_engine, sc, "baseline", concurrency)  # the greedy continuations
     references = {tuple(render_prompt(sc.target.tokenizer, _chat(PROMPTS[i], sc.tokens, "baseline"))): (i, base_runs[i])
                   for i in range(concurrency)}
     def log(name: str) -> Optional[str]:  # every engine's log, one file each: the fixed rows' round costs beside adaptive's
         if not log_dir:
             return None
-        label = {"adaptive, one-after-another": "adaptive-unbatched"}.get(name, name.replace("=", ""))
-        stem = f"{sc.name.split(' (')[0]}-x{concurrency}-{label}"
+        stem = f"{sc.name.split(' (')[0]}-x{concurrency}-{name.replace('=', '')}"
         return str(Path(log_dir) / (stem.replace(", ", "_").replace(" ", "_") + ".jsonl"))
-    engines = {name: _engine(sc, budget, batch, references, log(name)) for name, mode, budget, batch in configs}
+    engines = {name: _engine(sc, budget, references, log(name)) for name, mode, budget in configs}
     for _ in range(WARMUP_RUNS):  # shapes compile, the cost model learns
-        for (name, mode, _, _) in configs:
+        for (name, mode, _) in configs:
             _run(engines[name], sc, mode, concurrency)
     tps: dict[str, list] = {name: [] for name, *_ in configs}
     exact = {name: 0 for name, *_ in configs}
     for rep in range(repeats):
         order = configs if rep % 2 == 0 else configs[::-1]
-        for name, mode, _, _ in order:
+        for name, mode, _ in order:
             progress(f"  {sc.name} ×{concurrency} {name} (repeat {rep + 1}/{repeats})")
             t, runs = _run(engines[name], sc, mode, concurrency)
             tps[name].append(t)
@@ -223,15 +213,11 @@ def run_sched(args: argparse.Namespace) -> int:
                    "best_fixed_tps": best, "adaptive": ad, "adaptive_vs_best_fixed": vs_best,
                    "adaptive_vs_baseline": vs_base, "ratio_of_medians_vs_best_fixed": ad / best,
                    "ratio_of_medians_vs_baseline": ad / base, "configs": res}
-            if c > 1:
-                row["unbatched"] = res["adaptive, one-after-another"]["tokens_per_s"]
-                row["batched_vs_unbatched"] = ad / row["unbatched"]
             ratios.append(vs_base)
             figures["rows"].append(row)
             rows.append((sc.name.replace("embedded, ", "emb. ").replace(" (perturbed draft)", ""), str(c),
                          f"{base:.1f}", f"{best:.1f} ({best_k})", f"{ad:.1f}",
                          f"{vs_best:.2f}", f"{vs_base:.2f}",
-                         f"{row['batched_vs_unbatched']:.2f}" if c > 1 else "–",
                          str(sum(v["mismatching_requests"] for v in res.values()))))
     notes = [f"{r['scenario']} ×{r['concurrency']}: acceptance per draft position ({name}): "
              + " ".join(f"{a:.2f}" for a in r["configs"][name]["per_position"])
@@ -244,7 +230,7 @@ def run_sched(args: argparse.Namespace) -> int:
     footer = "\n".join(notes + [""]) + (f"goals: adaptive ≥ {GOAL_VS_FIXED} × best fixed k and ≥ {GOAL_VS_BASELINE} × baseline in every row: "
               f"{'met' if met else 'missed'}; headline ratio (smallest adaptive ÷ baseline) {figures['ratio']:.3f}")
     print_report("verity bench sched (tokens/s, medians)", rows,
-                 ("scenario", "n", "base", "best k", "adapt", "÷best", "÷base", "batch÷seq", "diff"),
+                 ("scenario", "n", "base", "best k", "adapt", "÷best", "÷base", "diff"),
                  figures, args.json, footer)
     return 0
 

@@ -14,19 +14,21 @@ def test_bench_gpu_small(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     fig = json.loads(r.stdout.strip().splitlines()[-1])
     assert fig["small"] and fig["plain_tps"] > 0 and fig["roofline_tps"] > 0
+    assert fig["mlx_lm_tps"] > 0 and fig["plain_equals_mlx_lm"]  # the engine's plain tokens are mlx-lm's
     assert set(fig["target_forward_ms"]) == {"1", "2", "4", "8", "16"}
-    for figure in ("draft_step_ms", "draft_chain_step_ms", "plain_tps_by_mode"):  # eager and compiled, side by side
-        modes = {"eager", "fused", "static"} | ({"kernels"} if figure != "plain_tps_by_mode" else set())
-        assert set(fig[figure]) == modes and min(fig[figure].values()) > 0
-    assert fig["mode"] == "static" and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
+    assert set(fig["target_forward_recorded_ms"]) == {"2", "4", "8", "16"}
+    assert fig["draft_step_ms"] > 0 and fig["draft_chain_step_ms"] > 0 and fig["env"]["MLX_CUDA_GRAPH_CACHE_SIZE"]
+    assert fig["draft_forward"] == "mlx-lm"  # as the engine runs the draft here (the kernels' path: CUDA only)
     assert fig["warm_joint_s"] > 0  # every shape a joint run may meet compiled before the joint rows
-    assert fig["draft_mode"] == "kernels"  # the joint runs' draft takes the kernels' path (their ops on the CPU)
-    check = fig["fast_check"]
+    check = fig["fast_check"]  # the draft kernels' path against mlx-lm's forward (their ops on the CPU)
     assert not check["kernels_ran"] and check["logits_1_ops_vs_mlx_lm"] <= 1e-4 * check["logits_1_max_abs"]
     configs = {(j["recovery"], j["config"]) for j in fig["joint"]}
     assert configs == {(rec, c) for rec in ("fast", "replay") for c in ("k=0", "k=1", "k=2", "adaptive")} - {("replay", "k=0")}
     assert all(j["runs_differing_from_reference"] == 0 for j in fig["joint"])  # exact at small size
     assert all(0 <= j["acceptance"] <= 1 and j["tps"] > 0 for j in fig["joint"])
+    for j in fig["joint"]:  # drafting rounds' time: draft, verify, recovery
+        if j["config"] in ("k=1", "k=2"):
+            assert j["acceptance"] > 0 and abs(j["draft_share"] + j["verify_share"] + j["recovery_share"] - 1) < 1e-6
     for j in fig["joint"]:  # paired with the plain run of the same repeat
         assert len(j["runs_tps"]) == len(j["plain_tps"]) == 1 and j["vs_plain"] == j["runs_tps"][0] / j["plain_tps"][0]
     assert {j["alpha"] for j in fig["joint"] if "vs_best_fixed" in j} == {0.8}
@@ -51,98 +53,12 @@ def test_bench_gpu_small(tmp_path):
         assert replay.returncode == 0, replay.stdout + replay.stderr
 
 
-def test_fused_layers_compute_what_eager_layers_compute():
-    """Compiled Gated-DeltaNet layers: the same logits as mlx-lm's (float32, CPU) for one-token
-    steps, a recorded verify window and a recovery from it; and greedy joint decoding with both
-    models compiled equals the compiled target's own greedy tokens."""
-    import mlx.core as mx
-
-    from bench import gpu_rounds as gb
-    from worker.state import checkpoint as st
-    from bench.fused import FusedDecoderLayer, set_fused
-
-    cfg = dict(gb.DRAFT_08B, **gb.SMALL)
-    eager, fused = gb.build(cfg, mx.float32, seed=3), gb.build(cfg, mx.float32, seed=3)
-    assert set_fused(fused) == 3 and isinstance(fused.layers[0], FusedDecoderLayer)
-    ce, cf = st.make_cache(eager), st.make_cache(fused)
-    prompt = mx.array([list(range(1, 40))])
-    assert mx.array_equal(eager(prompt, cache=ce), fused(prompt, cache=cf))  # long inputs stay eager
-    for tok in (5, 17, 3):
-        x = mx.array([[tok]])
-        assert mx.allclose(eager(x, cache=ce), fused(x, cache=cf), atol=1e-5)
-    st.set_record(ce, True)
-    st.set_record(cf, True)
-    window = mx.array([[5, 9, 11, 2]])
-    assert mx.allclose(eager(window, cache=ce), fused(window, cache=cf), atol=1e-5)
-    st.keep_recorded(ce, 4, 2)
-    st.keep_recorded(cf, 4, 2)
-    assert mx.allclose(eager(mx.array([[7]]), cache=ce), fused(mx.array([[7]]), cache=cf), atol=1e-5)
-
-    target = gb.build(dict(gb.TARGET_9B, **gb.SMALL), mx.float32, seed=0)
-    set_fused(target)
-    prompt = list(range(1, 17))
-    reference = gb.greedy_reference(target, prompt, 24)
-    for recovery in ("fast", "replay"):
-        run = gb.joint_decode(target, fused, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
-        assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24
-
-
-def test_a_static_forward_computes_what_the_eager_forward_computes(monkeypatch):
-    """The whole forward compiled on fixed-capacity KV (float32, CPU): the same logits as mlx-lm's
-    for one-token steps, a recorded verify window, a recovery from it, eager prompt chunks between
-    compiled steps, and across a capacity step; greedy joint decoding with both models static
-    equals the static target's own greedy tokens, which equal the eager target's."""
-    import mlx.core as mx
-
-    from bench import gpu_rounds as gb
-    from worker.state import checkpoint as st
-    from bench import static
-
-    monkeypatch.setattr(static, "CAPACITY_STEP", 64)
-    cfg = dict(gb.DRAFT_08B, **gb.SMALL)
-    eager, stat = gb.build(cfg, mx.float32, seed=3), gb.build(cfg, mx.float32, seed=3)
-    static.set_static(stat)
-    ce, cs = st.make_cache(eager), st.make_cache(stat)
-    prompt = mx.array([list(range(1, 40))])
-    assert mx.array_equal(eager(prompt, cache=ce), stat(prompt, cache=cs))  # long inputs stay eager
-    kv = next(c for c in cs if type(c).__name__ == "KVCache")
-
-    def same(x):
-        assert mx.allclose(eager(x, cache=ce), stat(x, cache=cs), atol=1e-5)
-
-    for tok in (5, 17, 3):
-        same(mx.array([[tok]]))
-    assert kv.keys.shape[2] == 256 and kv.offset == 42  # mlx-lm's eager step (256) is a whole capacity step
-    st.set_record(ce, True)
-    st.set_record(cs, True)
-    same(mx.array([[5, 9, 11, 2]]))
-    st.keep_recorded(ce, 4, 2)
-    st.keep_recorded(cs, 4, 2)
-    same(mx.array([[7]]))
-    same(mx.array([list(range(60, 260))]))  # an eager chunk in between
-    for tok in range(6):  # crosses 256: the buffer grows to the next step, the state carried over
-        same(mx.array([[tok + 1, tok + 2]]))
-    assert kv.keys.shape[2] == 256 + 64 and kv.offset == 257
-    static.set_static(stat, False)
-    assert type(stat) is type(eager)
-
-    target = gb.build(dict(gb.TARGET_9B, **gb.SMALL), mx.float32, seed=0)
-    prompt = list(range(1, 17))
-    reference = gb.greedy_reference(target, prompt, 24)
-    static.set_static(target)
-    static.set_static(stat)
-    assert gb.greedy_reference(target, prompt, 24) == reference
-    for recovery in ("fast", "replay"):
-        run = gb.joint_decode(target, stat, prompt, reference, lambda p: 0.7, 24, recovery, 3, cfg["vocab_size"])
-        assert run.tokens == reference[: len(run.tokens)] and len(run.tokens) == 24 and run.acceptance > 0.3
-
-
 def test_a_quantized_model_reports_its_logical_parameter_count():
     """4-bit weights pack 8 parameters into each uint32: the bench's table names the model's size,
     not the number of packed elements (a 4-bit 9 B target once read "1.40 B")."""
     import mlx.core as mx
 
-    from bench import gpu_rounds as gb
+    from bench import gpu_models as gb
 
     cfg = dict(gb.TARGET_9B, **gb.SMALL)
     plain, packed = gb.build(cfg, mx.float32, 0), gb.build(cfg, mx.float32, 0, bits=4)
@@ -152,8 +68,8 @@ def test_a_quantized_model_reports_its_logical_parameter_count():
 
 def test_bench_gpu_fast_rows_only(tmp_path):
     """--recoveries fast leaves out the replay rows (the goals read the fast ones) and
-    --no-side-by-side the forwards the joint rows do not use: on the device their time goes to
-    more pairs within one call's 600 s."""
+    --no-side-by-side the kernel's side by side (CUDA): on the device their time goes to more
+    pairs within one call's 600 s."""
     r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "gpu", "--small", "--dtype", "fp32", "--tokens", "8",
                         "--repeats", "1", "--pair-repeats", "2", "--probe-repeats", "1", "--alphas", "0.8", "--ks", "0", "1",
                         "--recoveries", "fast", "--no-side-by-side", "--json"], capture_output=True, text=True, timeout=600)
@@ -163,7 +79,6 @@ def test_bench_gpu_fast_rows_only(tmp_path):
     ad = next(j for j in fig["joint"] if j["config"] == "adaptive")
     assert len(ad["pairs_vs_best"]) == 2 and set(fig["goals"]) == {"roofline", "joint_vs_plain", "adaptive"}
     assert fig["pairs_by_alpha"] == {"0.8": 2} and not fig["side_by_side"]
-    assert set(fig["plain_tps_by_mode"]) == {"static"} and set(fig["draft_step_ms"]) == {"static", "kernels"}
     assert "[" in r.stderr and " s] " in r.stderr  # progress lines tell the seconds since the start
 
 
@@ -187,7 +102,7 @@ def test_pairs_fill_the_time_they_are_given(monkeypatch):
 
     def run(name, k):
         _Clock.now += 1.0
-        return SimpleNamespace(tokens_per_s=100.0 if name == "adaptive" else 80.0)
+        return SimpleNamespace(tps=100.0 if name == "adaptive" else 80.0)
 
     def plain():
         _Clock.now += 0.5

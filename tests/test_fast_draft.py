@@ -6,7 +6,10 @@ CUDA kernels against those ops on the device."""
 import mlx.core as mx
 import pytest
 
-from bench import gpu_rounds as gb
+from mlx_lm.models.cache import ArraysCache
+
+from bench import gpu_models as gb
+from worker.batch.slots import StateView
 from worker.kernels import draft as dk
 from worker.kernels import fast_draft
 from worker.state import checkpoint as st
@@ -40,33 +43,30 @@ def test_the_fast_forward_computes_mlx_lms_forward(model):
     assert [getattr(c, "offset", None) for c in fast] == [getattr(c, "offset", None) for c in ref]
 
 
-def test_set_fast_routes_only_narrow_forwards_of_one_sequence(model, monkeypatch):
+def test_the_narrow_forward_takes_the_kernels_path_only_for_narrow_forwards_of_one_sequence(model, monkeypatch):
     calls = []
     real = fast_draft.forward
     monkeypatch.setattr(fast_draft, "forward", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    assert fast_draft.set_fast(model)
-    try:
-        cache = st.make_cache(model)
-        model(mx.array([list(range(1, 13))]), cache=cache)  # a prompt: mlx-lm's forward
-        model(mx.array([[5]]), cache=cache)
-        model(mx.array([[5] * dk.MAX_T]), cache=cache)
-        st.set_record(cache, True)  # a recording cache (the verify's): mlx-lm's forward
-        model(mx.array([[6, 7]]), cache=cache)
-        assert calls == [(1, 1), (1, dk.MAX_T)]
-    finally:
-        fast_draft.set_fast(model, False)
-    assert not isinstance(model, fast_draft.FastForward)
+    forward = fast_draft.narrow_forward(model)
+    assert forward is not None
+    cache = st.make_cache(model)
+    forward(mx.array([list(range(1, 13))]), cache=cache)  # a prompt: mlx-lm's forward
+    forward(mx.array([[5]]), cache=cache)
+    forward(mx.array([[5] * dk.MAX_T]), cache=cache)
+    recording = [StateView(list(c.cache), None, record=True) if isinstance(c, ArraysCache) else c for c in cache]
+    forward(mx.array([[6, 7]]), cache=recording)  # a recording cache (the verify's): mlx-lm's forward
+    assert calls == [(1, 1), (1, dk.MAX_T)]
 
 
 def test_a_draft_takes_the_kernels_path_only_where_they_run(monkeypatch):
-    """The loader installs the path for a draft on a CUDA GPU in bfloat16 (here: claimed), and
-    leaves it alone elsewhere (here: the CPU)."""
+    """The engine runs a draft through the path on a CUDA GPU in bfloat16 (here: claimed), and
+    through mlx-lm's forward elsewhere (here: the CPU)."""
     m = gb.build(dict(gb.DRAFT_08B, **gb.SMALL), mx.bfloat16, 4)
-    assert not fast_draft.install_where_it_runs(m) and not isinstance(m, fast_draft.FastForward)
+    assert fast_draft.where_it_runs(m) is None
     monkeypatch.setattr(dk, "available", lambda dtype=mx.bfloat16: dtype == mx.bfloat16)
-    assert fast_draft.install_where_it_runs(m) and isinstance(m, fast_draft.FastForward)
+    assert isinstance(fast_draft.where_it_runs(m), fast_draft.NarrowForward)
     q = gb.build(dict(gb.DRAFT_08B, **gb.SMALL), mx.bfloat16, 4, bits=4)
-    assert not fast_draft.install_where_it_runs(q)  # quantized layers: mlx-lm's forward
+    assert fast_draft.where_it_runs(q) is None  # quantized layers: mlx-lm's forward
 
 
 def test_the_one_launch_steps_weights_are_stacked_and_shared_with_the_sublayer_path():
@@ -104,9 +104,8 @@ def test_a_full_kv_cache_grows_before_the_one_launch_step_writes_into_it():
     assert c.keys is before
 
 
-def test_the_one_launch_step_is_installed_only_where_cuda_runs(model):
-    assert fast_draft.set_fast(model, persistent=True)  # the sublayer path applies ...
-    try:
-        assert ("_persistent" in vars(model)) == dk.available(mx.bfloat16)  # ... the one-launch step on CUDA only
-    finally:
-        fast_draft.set_fast(model, False)
+def test_the_one_launch_step_is_prepared_only_where_cuda_runs():
+    # head_dim 256: a model the one-launch step applies to (see above)
+    m = gb.build(dict(gb.DRAFT_08B, **dict(gb.SMALL, head_dim=256), full_attention_interval=2), mx.float32, 4)
+    forward = fast_draft.narrow_forward(m, persistent=True)  # the sublayer path applies ...
+    assert forward is not None and (forward.one is not None) == dk.available(mx.float32)  # ... the one-launch step on CUDA only
