@@ -107,7 +107,10 @@ def kernel_check(model, n_tokens: int = 4, context: int = 64) -> dict:
     g, beta = mx.random.uniform(0.8, 1.0, (B, n_tokens, Hv)), mx.random.uniform(0.0, 1.0, (B, n_tokens, Hv))
     state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
     mask = mx.array([[True] * n_tokens, [True] * (n_tokens - 1) + [False]])
-    y, final, states = gdn_kernel.recurrence(q, k, v, g, beta, state, mask, keep=True)
+    y, final = gdn_kernel.recurrence(q, k, v, g, beta, state, mask)
+    # the state after each prefix, as fast recovery computes it: the same kernel, masked past the prefix
+    states = [gdn_kernel.recurrence(q, k, v, g, beta, state, mask & (mx.arange(n_tokens)[None] <= t))[1]
+              for t in range(n_tokens)]
     ys, ss, s = [], [], state
     for t in range(n_tokens):
         yt, s = gated_delta_ops(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], s, mask[:, t:t + 1])
