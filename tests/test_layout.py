@@ -150,3 +150,57 @@ def test_every_package_is_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     assert found == listed
+
+
+# the standard library's: os._exit is documented; argparse has no public way to list a parser's actions
+STDLIB_PRIVATE = {"os._exit", "parser._actions", "argparse._AppendAction"}
+
+
+def _private_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """`x._name` where x is not self or cls (a private name read or written from outside its owner)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+                continue  # an inherited method of its own
+            if ast.unparse(node) in STDLIB_PRIVATE:
+                continue
+            out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def _swaps(tree: ast.AST) -> list[tuple[int, str]]:
+    """Assignments that swap a class (`x.__class__ = ...`) or a name inside an imported module."""
+    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mlx")
+               for a in n.names} | {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                    for a in n.names if a.name.startswith("mlx")}
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and (t.attr == "__class__" or
+                                                 isinstance(t.value, ast.Name) and t.value.id in modules):
+                out.append((node.lineno, ast.unparse(t)))
+    return out
+
+
+def test_the_service_reads_no_private_name_and_swaps_nothing():
+    """No private attribute of another object (mlx-lm's, MLX's, aiohttp's) is read or written,
+    and no class or module function is swapped: a library's new version cannot silently break
+    the service through them."""
+    found = []
+    for pkg in SERVICE:
+        for path in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            found += [f"{path.relative_to(ROOT)}:{n} {what}" for n, what in _private_reads(tree) + _swaps(tree)]
+    assert not found, found
+
+
+def test_the_private_name_check_finds_them():
+    tree = ast.parse("a._b = 1\nx = gen._generation_batch\nself._ok = 2\nm.__class__ = Y\n"
+                     "from mlx_lm.models import qwen3_5\nqwen3_5.gated_delta_update = f\n")
+    assert [w for _, w in _private_reads(tree)] == ["a._b", "gen._generation_batch"]
+    assert [w for _, w in _swaps(tree)] == ["m.__class__", "qwen3_5.gated_delta_update"]

@@ -93,8 +93,9 @@ def test_output_with_reuse_equals_output_without(pairs, service, arch, mode):
 @pytest.mark.parametrize("mode", ["baseline", "joint"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_end_of_generation_snapshot_holds_exactly_its_tokens(pairs, service, arch, mode):
-    """Baseline's generate_step has consumed every emitted token (it runs one ahead), the joint
-    path all but the last: the snapshot's state, target and draft, is that of its own tokens."""
+    """A row's caches hold every token it read, and a round feeds the token it emits first (the
+    batch runs one ahead, as generate_step does), baseline and joint alike: the snapshot's state,
+    target and draft, is that of its own tokens."""
     lm = pairs[arch].target
     draft = pairs[arch].drafts["perturbed"] if mode == "joint" else None
     engine = reuse_engine(lm, service, draft, **({"draft_budget": 3} if draft else {}))
@@ -102,7 +103,7 @@ def test_end_of_generation_snapshot_holds_exactly_its_tokens(pairs, service, arc
     out, _ = run_one(engine, req)
     (snap,) = [s for s in engine.reuse.store.snapshots.values() if s.meta.kind == "generation"]
     tokens = snap.meta.tokens
-    assert tokens == render_prompt(lm.tokenizer, req) + (out if mode == "baseline" else out[:-1])
+    assert tokens == render_prompt(lm.tokenizer, req) + out
     parts = [(lm.model, snap.target, len(tokens))] + ([(draft.model, snap.draft, snap.draft_tokens)] if draft else [])
     assert not draft or 0 < snap.draft_tokens <= len(tokens)
     for model, state, n in parts:

@@ -322,11 +322,17 @@ class Engine:
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
 
+    def warm_forwards(self) -> None:
+        """Every forward width a round may use, once (a distributed group's every rank runs it, in
+        step: the forwards meet in the same collectives)."""
+        req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
+        with mx.stream(generation_stream):
+            self.runner.warm(self._prompt(req) * 16, self.config.max_round_budget + 1)
+
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=4, temperature=0.0)
-        with mx.stream(generation_stream):
-            self.runner.warm(self._prompt(req) * 16, self.config.max_round_budget + 1)
+        self.warm_forwards()
         self.submit("warmup", req)
         if self.draft is not None:
             self.submit("warmup-joint", m.GenerateRequest(messages=req.messages, max_tokens=8, temperature=0.0,

@@ -33,7 +33,6 @@ from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
-from worker.state.checkpoint import install_recording
 
 log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5
@@ -276,8 +275,6 @@ def run_worker(argv: list[str] | None = None) -> int:
         except PairingError as e:
             log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
             return 3
-        install_recording(lm.model)
-        install_recording(draft.model)
     max_active = args.max_active or memory.default_max_active()
     config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
                           draft_budget=args.draft_budget, recovery=args.recovery,

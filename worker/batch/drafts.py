@@ -127,8 +127,8 @@ def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: di
         return
     mask = mx.array(back)
     now = batch.recurrent_rows(batch.span(ids))
-    batch.put_recurrent(ids, [[o if o is None else mx.where(_rows(mask, o), o, a) for o, a in zip(old, cur)]
-                              for old, cur in zip(drafts.before, now)])
+    batch.put_recurrent(ids, [[a if a is None else mx.where(_rows(mask, a), mx.zeros_like(a) if o is None else o, a)
+                               for o, a in zip(old, cur)] for old, cur in zip(drafts.before, now)])
     widths = [n if b else 0 for n, b in zip(keep, back)]
     width = max(widths)
     feeds = [rows[r].seq[base: base + w] for r, base, w in zip(ids, drafts.bases, widths)]

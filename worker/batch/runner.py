@@ -23,6 +23,7 @@ from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advan
 from worker.batch.slotbatch import SlotBatch
 from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
 from worker.sampling import chosen as chosen_of
+from worker.state.checkpoint import install_recording
 
 WARM = "\x00warm"  # the warm-up's row
 DRAFT_TIMED_EVERY = 8  # off the CPU, one drafting round in this many waits for its draft, so its step is timed
@@ -74,6 +75,9 @@ class BatchRunner:
     def __init__(self, target, draft=None, prefill_step: int = 512, recovery: str = "fast", draft_forward=None):
         if recovery not in ("fast", "replay"):
             raise ValueError("recovery must be fast or replay")
+        for model in (target, draft):  # fast recovery's recording (on a CUDA GPU, its kernel too)
+            if model is not None:
+                install_recording(model)
         self.target = SlotBatch(target)
         self.draft = SlotBatch(draft, draft_forward) if draft is not None else None
         self.prefill_step, self.recovery = prefill_step, recovery
@@ -85,7 +89,7 @@ class BatchRunner:
         """Runs every forward width serving uses once (verifies up to `widest`, recorded; the
         draft's first steps), on a row of its own that then leaves: a GPU compiles a kernel the
         first time it meets a shape, which would stall a round. Only on an empty batch."""
-        for batch, widths, record in ((self.target, range(1, widest + 1), True),
+        for batch, widths, record in ((self.target, range(1, widest + 1), self.draft is not None),
                                       (self.draft, range(1, dr.CATCH_UP_LAG + 1), False)):
             if batch is None or len(batch):
                 continue
@@ -335,8 +339,9 @@ class BatchRunner:
     def _pending_tokens(self, ids: list[str]) -> mx.array:
         """The rows' pending tokens [B]: the last plain round's array where the rows are the
         same, else gathered from their arrays and the known ones."""
-        if self._last is not None and self._last[0] == ids:
-            return self._last[1]
+        if self._last is not None and self._last[0] == ids and all(
+                _points_at(self.rows[r].pending.token, self._last[1], i) for i, r in enumerate(ids)):
+            return self._last[1]  # the same rows, each pending on its place in the last plain round's tokens
         known, lazy, sources = [], [], {}
         for i, rid in enumerate(ids):
             t = self.rows[rid].pending.token
@@ -358,3 +363,7 @@ class BatchRunner:
         for j, i in enumerate(at):
             inverse[i] = j
         return flat[mx.array(inverse)]
+
+
+def _points_at(token, array: mx.array, i: int) -> bool:
+    return isinstance(token, tuple) and token[0] is array and token[1] == i

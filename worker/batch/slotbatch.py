@@ -169,7 +169,8 @@ class SlotBatch:
             rows = mx.array(partial)
             for layer, old in zip(layers, f.before):
                 now = layer.rows(f.span)
-                mixed = [o if o is None else mx.where(_expand(rows, o), o, n) for o, n in zip(old, now)]
+                mixed = [n if n is None else mx.where(_expand(rows, n), mx.zeros_like(n) if o is None else o, n)
+                         for o, n in zip(old, now)]  # None before: the state before any token
                 layer.set_rows(f.span, mixed, len(self.order))
         widths = [k if p else 0 for k, p in zip(keep, partial)]
         offsets = [n if p else n + w for n, p, w in zip(f.span.lengths, partial, f.span.widths)]

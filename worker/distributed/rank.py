@@ -24,7 +24,6 @@ from worker.cache_client import CacheClient
 from worker.distributed.reuse import FollowerClient, LeaderClient
 from worker.engine import EngineConfig, cache_identity
 from worker.loader import PairingError, load_draft, load_model
-from worker.state.checkpoint import install_recording
 from worker.state.reuse import PrefixCache
 from worker.state.snapshots import SnapshotStore
 
@@ -77,9 +76,6 @@ def run_rank(argv: list[str]) -> int:
     except (ShardError, PairingError) as e:
         log.error("cannot serve %s as a group: %s", args.model, e)
         return 3
-    if draft is not None:
-        install_recording(lm.model)
-        install_recording(draft.model)
     link = Link(group)
     max_active = args.max_active or memory.default_max_active()
     config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
@@ -95,6 +91,7 @@ def run_rank(argv: list[str]) -> int:
         if rank == 0:
             return _lead(engine, lm, args, ranks, reuse)
         engine.prefix_cache = reuse
+        engine.warm_forwards()  # as rank 0's warm-up starts
         return engine.run()
     except (GroupBroken, RuntimeError) as e:
         log.error("rank %d: the group broke: %s", rank, e)

@@ -29,7 +29,7 @@ from worker.kernels import gdn
 MAX_T = 8  # widest forward the kernels take (a draft feeds 1-2 tokens a step)
 GDN_WARPS = 8  # warps of a gdn_step block (Dv / GDN_WARPS state rows each, in registers)
 
-_HEADER = """
+HEADER = """
 __device__ __forceinline__ float verity_wsum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
   return x;
@@ -184,7 +184,7 @@ def available(dtype=mx.bfloat16) -> bool:
 
 
 def _kernel(name: str, inputs: list[str], outputs: list[str], source: str):
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=_HEADER)
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=HEADER)
 
 
 def _scalar(x: float) -> mx.array:

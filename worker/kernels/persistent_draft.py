@@ -410,7 +410,7 @@ def _kernel(n_attn: int):
         outs = ["h_out", "conv_out", "state_out", "hs", "p", "y", "ssq", "qkv", "qr", "ao", "mid", "done"]
         source = table + _SOURCE
         _kernels[n_attn] = mx.fast.cuda_kernel(name="verity_draft_step", input_names=names, output_names=outs,
-                                               source=source, header=dk._HEADER + _HEADER_EXTRA,
+                                               source=source, header=dk.HEADER + _HEADER_EXTRA,
                                                ensure_row_contiguous=False)
     return _kernels[n_attn]
 
@@ -421,9 +421,7 @@ def eligible(cache: list, T: int) -> bool:
         if type(c) is KVCache:
             if c.keys is None or c.offset + T > MAX_S:
                 return False
-        elif hasattr(c, "update_and_fetch"):  # another attention cache (a batch's slot view)
-            return False
-        elif c[0] is None or c[1] is None or getattr(c, "record", False):
+        elif hasattr(c, "update_and_fetch") or c[0] is None or c[1] is None or getattr(c, "record", False):
             return False
     return True
 

@@ -1,0 +1,92 @@
+"""The slot caches (worker/batch/): rows of one batch joining, leaving, feeding forwards of
+random widths and keeping random prefixes of them hold exactly what one-token decoding of their
+kept tokens holds, on both recovery paths; and a request's phases move only along their edges."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from bench.tiny_models import tiny_model_dir
+from worker.batch.rows import Phase, advance
+from worker.batch.slotbatch import SlotBatch
+from worker.loader import load_model
+from worker.state import checkpoint as st
+
+ROUNDS = 40
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def model(request, tmp_path_factory):
+    lm = load_model(str(tiny_model_dir(tmp_path_factory, request.param, seed=5)))
+    st.install_recording(lm.model)
+    return lm.model
+
+
+def _sequential(model, tokens: list[int]) -> list[mx.array]:
+    cache = st.make_cache(model)
+    for t in tokens:
+        model(mx.array([[t]]), cache=cache)
+    return st.cache_arrays(cache)
+
+
+def _same(a: list[mx.array], b: list[mx.array]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and mx.allclose(x, y, rtol=1e-4, atol=1e-4).item()
+                                    for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["fast", "replay"])
+def test_rows_of_random_widths_keep_exactly_their_tokens(model, record):
+    """Each round: a row may join (empty) or leave; the live rows feed 1-6 random tokens each in
+    one forward (right-padded) and keep a random prefix of them (at least one). After every round
+    each row's caches equal a one-token decode of the tokens it kept."""
+    rng = random.Random(7 if record else 8)
+    batch, kept, next_id = SlotBatch(model), {}, 0
+    for rnd in range(ROUNDS):
+        if len(kept) < 5 and (not kept or rng.random() < 0.3):
+            rid = f"r{next_id}"
+            next_id += 1
+            batch.add(rid)
+            kept[rid] = []
+        if len(kept) > 2 and rng.random() < 0.15:
+            gone = rng.choice(sorted(kept))
+            batch.remove(gone)
+            del kept[gone]
+        ids = batch.arrange(set(kept))
+        feeds = {rid: [rng.randrange(1, 300) for _ in range(rng.randint(1, 6))] for rid in ids}
+        width = max(len(f) for f in feeds.values())
+        x = mx.array([feeds[r] + [0] * (width - len(feeds[r])) for r in ids], dtype=mx.uint32)
+        f = batch.forward(ids, x, [len(feeds[r]) for r in ids], record=record)
+        keep = [rng.randint(1, len(feeds[r])) for r in ids]
+        batch.commit(f, keep)
+        for rid, n in zip(ids, keep):
+            kept[rid] += feeds[rid][:n]
+        for rid in ids:
+            assert batch.lengths[rid] == len(kept[rid])
+            got = st.cache_arrays(batch.row_cache(rid))
+            assert _same(got, _sequential(model, kept[rid])), (rnd, rid)
+
+
+def test_a_row_restored_from_caches_goes_on_as_one_never_taken_out(model):
+    """A row's caches taken out (a snapshot) and put into another row hold the same state: both
+    decode on alike."""
+    batch = SlotBatch(model)
+    batch.add("a")
+    ids = batch.arrange({"a"})
+    prompt = [5, 9, 17, 33, 2, 40]
+    batch.commit(batch.forward(ids, mx.array([prompt], dtype=mx.uint32), [len(prompt)]), [len(prompt)])
+    batch.add("b", batch.row_cache("a"), len(prompt))
+    ids = batch.arrange({"a", "b"})
+    f = batch.forward(ids, mx.array([[7], [7]], dtype=mx.uint32), [1, 1])
+    assert mx.allclose(f.logits[0], f.logits[1], atol=1e-5).item()
+
+
+def test_a_request_moves_only_along_its_phases():
+    assert advance(Phase.WAITING, Phase.PREFILL) == Phase.PREFILL
+    assert advance(Phase.PREFILL, Phase.DECODE) == Phase.DECODE
+    assert advance(Phase.DECODE, Phase.DONE) == Phase.DONE
+    for bad in [(Phase.WAITING, Phase.DECODE), (Phase.DECODE, Phase.PREFILL), (Phase.DONE, Phase.DECODE)]:
+        with pytest.raises(RuntimeError, match="cannot go from"):
+            advance(*bad)
