@@ -18,9 +18,10 @@ class Controlled:
     def __init__(self, reference: list[int], alpha: Callable[[int], float], vocab_size: int, seed: int = 0):
         self.reference, self.alpha, self.vocab_size, self.seed = reference, alpha, vocab_size, seed
 
-    def choose(self, logits: mx.array, position: int) -> tuple[mx.array, Optional[mx.array]]:
-        # the token depends on the logits, so the forward really runs, lazily, as a real draft's would
-        return mx.depends(mx.array([self.pick(position)], dtype=mx.uint32), logits), None
+    def choose(self, logits: mx.array, position: int) -> tuple[int, Optional[mx.array]]:
+        """A token known on the host (the batch makes the round's tokens depend on the logits,
+        so the draft's forward runs whole, as a real draft's would)."""
+        return self.pick(position), None
 
     def pick(self, position: int) -> int:
         ref = self.reference[position] if position < len(self.reference) else 0
@@ -30,7 +31,8 @@ class Controlled:
         """Whether its proposal at this output position is the reference's token."""
         return random.Random(self.seed * 1_000_003 + position).random() < self.alpha(position)
 
-    def accept_by_intent(self, drafted: list[int], logits: mx.array, position: int) -> tuple[int, int]:
+    def accept_by_intent(self, drafted: list[int], logits: mx.array, position: int,
+                         choices: Optional[list[int]] = None) -> tuple[int, int]:
         """The verify forward runs as always, but acceptance follows the draft's intent (every
         proposal it meant to be right, up to the first it meant to be wrong), so a run has
         acceptance α by construction: random bf16 weights put near-ties everywhere, and a verify
@@ -38,7 +40,7 @@ class Controlled:
         fixed reference would be wrong ever after. The costs are those of real acceptance."""
         flags = [self.meant_right(position + i) for i in range(len(drafted))]
         n = next((i for i, right in enumerate(flags) if not right), len(flags))
-        return n, int(mx.argmax(logits[n]).item())
+        return n, choices[n] if choices is not None else int(mx.argmax(logits[n]).item())
 
 
 def controls(references: dict[tuple, tuple[int, list[int]]], alpha: Callable[[int], float], vocab_size: int,

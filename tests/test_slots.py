@@ -90,3 +90,46 @@ def test_a_request_moves_only_along_its_phases():
     for bad in [(Phase.WAITING, Phase.DECODE), (Phase.DECODE, Phase.PREFILL), (Phase.DONE, Phase.DECODE)]:
         with pytest.raises(RuntimeError, match="cannot go from"):
             advance(*bad)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_draft_on_its_kernels_path_keeps_the_batch_exact(rows, monkeypatch):
+    """A Qwen3.5 draft whose one-row forwards take the draft kernels' path (their ops on the CPU)
+    inside the batch: joint rows' greedy output is the target's own; with two joint rows the
+    draft's forwards are batched (mlx-lm's)."""
+    from bench import gpu_models as gb
+    from worker.batch.rows import Row
+    from worker.batch.runner import BatchRunner, play
+    from worker.joint.sampling import make_key_fn
+    from worker.kernels import fast_draft
+    from worker.sampling import RowSampling
+    from worker.scheduler import Scheduler
+
+    cfg = dict(gb.TARGET_9B, **gb.SMALL)
+    target = gb.build(cfg, mx.float32, 0)
+    draft = gb.build(dict(gb.DRAFT_08B, **gb.SMALL), mx.float32, 1)
+    forward = fast_draft.narrow_forward(draft)
+    assert forward is not None
+    calls = []
+    real = fast_draft.forward
+    monkeypatch.setattr(fast_draft, "forward", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    prompts = [[5, 9, 300, 17, 2, 41], [8, 8, 1000, 3]][:rows]
+
+    def run(with_draft: bool) -> dict[str, list[int]]:
+        runner = BatchRunner(target, draft if with_draft else None, 64, draft_forward=forward if with_draft else None)
+        out = {}
+        for i, p in enumerate(prompts):
+            runner.join(Row(f"r{i}", p, RowSampling(), make_key_fn(0), joint=with_draft))
+            out[f"r{i}"] = []
+        sched = Scheduler(fixed=3)
+        while runner.rows:
+            rnd = play(runner, sched, lambda rid: 12 - len(out[rid]))
+            for o in rnd.decoded.outcomes:
+                out[o.id] += o.tokens[: 12 - len(out[o.id])]
+            for rid in [r for r in runner.rows if len(out[r]) >= 12]:
+                runner.leave(rid)
+        return out
+
+    joint, plain = run(True), run(False)
+    assert joint == plain
+    assert bool(calls) == (rows == 1)

@@ -92,27 +92,29 @@ def _choose(rows: dict[str, Row], ids: list[str], ks: list[int], j: int, logits:
     live = [i for i, k in enumerate(ks) if j < k]
     if all(simple(rows[ids[i]]) and rows[ids[i]].chooser is None for i in live):
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    out = []
+    out: list = []
     for i, (rid, k) in enumerate(zip(ids, ks)):
         if j >= k:
-            out.append(mx.zeros((1,), mx.uint32))
+            out.append(0)
             continue
         row = rows[rid]
         lg = logits[i]
         ctx = context(row, ys[i: i + 1], *[c[i] for c in chosen])
         if ctx is not None:
             lg = process(row.sampling.processors, ctx, lg[None])[0]
-        position = row.output_position + 1 + j
         if row.chooser is not None:
-            tok, q = row.chooser(lg, position)
+            tok, q = row.chooser(lg, row.output_position + 1 + j)
         elif row.sampling.params.greedy:
             tok, q = mx.argmax(lg, keepdims=True), None
         else:
             q = token_probs(lg, row.sampling.params)
             tok = mx.random.categorical(mx.log(q), key=row.key())[None]
         drafts.probs.setdefault(rid, []).append(q)
-        out.append(tok.reshape(1).astype(mx.uint32))
-    return mx.concatenate(out)
+        out.append(tok)
+    if all(isinstance(t, int) for t in out):  # choices made on the host: the logits are still computed
+        return mx.depends(mx.array(out, dtype=mx.uint32), logits)
+    return mx.concatenate([mx.array([t], dtype=mx.uint32) if isinstance(t, int) else t.reshape(1).astype(mx.uint32)
+                           for t in out])
 
 
 def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: dict[str, int]) -> None:

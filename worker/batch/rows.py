@@ -85,10 +85,10 @@ class CycleStats:
             self.accepted_at[j][0] += j < n
 
 
-# choose(logits [V], output position of the proposal) -> (token [1], draft probabilities [V] or None)
-Chooser = Callable[[mx.array, int], tuple[mx.array, Optional[mx.array]]]
-# accept(drafted, verify logits [k+1, V], output position of d1) -> (accepted, the target's own token)
-Acceptor = Callable[[list[int], mx.array, int], tuple[int, int]]
+# choose(logits [V], output position of the proposal) -> (token: [1] or a known int, draft probabilities [V] or None)
+Chooser = Callable[[mx.array, int], tuple[Union[mx.array, int], Optional[mx.array]]]
+# accept(drafted, verify logits [k+1, V], output position of d1, the logits' argmax where read) -> (accepted, own token)
+Acceptor = Callable[[list[int], mx.array, int, Optional[list[int]]], tuple[int, int]]
 # a prompt boundary reached: (length, target caches, draft caches or None, draft length)
 Boundary = Callable[[int, list, Optional[list], int], None]
 

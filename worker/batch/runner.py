@@ -307,7 +307,7 @@ class BatchRunner:
         """A drafting row's acceptance: its outcome gets the accepted drafts, its pending the
         target's own next token; returns how many drafts it accepted."""
         logits = f.logits[i, : k + 1]
-        simple = select.simple(row)
+        simple = select.simple(row)  # its verify's argmax is the batch's
         if not simple:
             logits = select.processed(row, logits, mx.array(drafted))
         n, own = select.accept(row, drafted, drafts.probs.get(row.id, []), logits, choices if simple else None,

@@ -66,7 +66,7 @@ def accept(row: Row, drafted: list[int], qs: list, logits: mx.array, choices: Op
     """(drafts accepted, the target's own next token) from the verify logits [k+1, V];
     `choices`: their argmax where computed for the batch; `position`: output index of d1."""
     if row.acceptor is not None:
-        return row.acceptor(drafted, logits, position)
+        return row.acceptor(drafted, logits, position, choices)
     params = row.sampling.params
     if params.greedy:
         if choices is not None:

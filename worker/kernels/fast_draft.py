@@ -75,10 +75,10 @@ def _prepare(model) -> Optional[list[_Layer]]:
     return layers
 
 
-def _eligible(inputs: mx.array, cache: Optional[list]) -> bool:
-    """One sequence of 1-MAX_T tokens, on attention caches (mlx-lm's, or a batch's slot view of
+def _eligible(inputs: mx.array, cache: Optional[list], widest: int = dk.MAX_T) -> bool:
+    """One sequence of 1-`widest` tokens, on attention caches (mlx-lm's, or a batch's slot view of
     one row) and recurrent ones without padding or recording."""
-    if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1 or not 1 <= inputs.shape[1] <= dk.MAX_T:
+    if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1 or not 1 <= inputs.shape[1] <= widest:
         return False
     for c in cache:
         if hasattr(c, "update_and_fetch"):
@@ -142,12 +142,12 @@ class NarrowForward:
     module's note), the rest the model's own. `persistent`: the one-launch step where it applies
     (worker/kernels/persistent_draft.py; mlx-lm's own KV caches only)."""
 
-    def __init__(self, model, layers: list[_Layer], persistent: bool = False):
-        self.model, self.layers = model, layers
+    def __init__(self, model, layers: list[_Layer], persistent: bool = False, widest: int = dk.MAX_T):
+        self.model, self.layers, self.widest = model, layers, widest
         self.one = persistent_draft.prepare(model, layers) if persistent and dk.available(layers[0].ln1.dtype) else None
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        if not _eligible(inputs, cache):
+        if not _eligible(inputs, cache, self.widest):
             return self.model(inputs, cache=cache)
         if self.one is not None and persistent_draft.eligible(cache, inputs.shape[1]):
             try:
@@ -157,12 +157,12 @@ class NarrowForward:
         return forward(self.model, inputs, cache, self.layers, dk.available(self.layers[0].ln1.dtype))
 
 
-def narrow_forward(model, persistent: bool = False) -> Optional[NarrowForward]:
+def narrow_forward(model, persistent: bool = False, widest: int = dk.MAX_T) -> Optional[NarrowForward]:
     """The kernels' path for a Qwen3.5 model of unquantized linear layers (None: it does not apply)."""
     if not isinstance(model, qwen3_5.Model):
         return None
     layers = _prepare(model)
-    return None if layers is None else NarrowForward(model, layers, persistent)
+    return None if layers is None else NarrowForward(model, layers, persistent, widest)
 
 
 def where_it_runs(model) -> Optional[NarrowForward]:
@@ -170,4 +170,6 @@ def where_it_runs(model) -> Optional[NarrowForward]:
     weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)
     if weight is None or not dk.available(weight.weight.dtype):
         return None
-    return narrow_forward(model, persistent=True)
+    # one token a forward only: the kernels compile for each width (seconds each on the GPU), and the
+    # batch's draft feeds widths that vary (a lag, a recovery's kept tokens)
+    return narrow_forward(model, persistent=True, widest=1)
