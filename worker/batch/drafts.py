@@ -36,6 +36,7 @@ class Drafts:
     lags: list[int] = field(default_factory=list)  # tokens each row fed before proposing (y among them)
     bases: list[int] = field(default_factory=list)  # each row's draft length before the round
     before: list = field(default_factory=list)  # the recurrent arrays before the round (a replay starts there)
+    steps: list = field(default_factory=list)  # one row alone: its recurrent arrays after each forward
 
     def k(self, rid: str) -> int:
         return self.ks[self.ids.index(rid)] if rid in self.ids else 0
@@ -76,6 +77,8 @@ def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int
     for j in range(max(ks)):
         f = batch.forward(ids, x, widths)
         batch.commit(f, widths)
+        if len(ids) == 1:  # a row's states, by reference: recovery picks one (a replay costs a forward)
+            drafts.steps.append(batch.recurrent_rows(f.span))
         last = mx.array([max(w - 1, 0) for w in widths]) if j == 0 else mx.zeros(len(ids), mx.int32)
         logits = f.logits[mx.arange(len(ids)), last]
         toks = _choose(rows, ids, ks, j, logits, ys, chosen, drafts)
@@ -126,6 +129,10 @@ def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: di
     keep = [lag + min(accepted.get(r, 0), k - 1) if k else 0 for r, k, lag in zip(ids, drafts.ks, drafts.lags)]
     back = [bool(k) and n < lag + k - 1 for k, n, lag in zip(drafts.ks, keep, drafts.lags)]
     if not any(back):
+        return
+    if drafts.steps:  # one row: its state after the kept forward, kept by reference
+        batch.put_recurrent(ids, drafts.steps[keep[0] - drafts.lags[0]])
+        batch.lengths[ids[0]] = drafts.bases[0] + keep[0]
         return
     mask = mx.array(back)
     now = batch.recurrent_rows(batch.span(ids))
