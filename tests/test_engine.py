@@ -150,3 +150,15 @@ def test_stop_matcher_holds_back_only_possible_starts():
     assert s.feed("ax") == ("a", False)
     assert s.flush() == "x"
     assert StopMatcher(None).feed("anything") == ("anything", False)
+
+
+def test_mlx_releases_outside_the_tested_range_are_named(monkeypatch):
+    """pyproject.toml takes a range of MLX and mlx-lm releases; a release outside the tested ones
+    loads with a warning naming it."""
+    import importlib.metadata
+
+    from worker import loader
+
+    assert loader.untested_versions() == []  # what the tests run on is tested
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"mlx": "0.32.9", "mlx-lm": "0.34.0"}[name])
+    assert loader.untested_versions() == ["mlx-lm 0.34.0"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import struct
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger("verity.worker")
 
 EMBEDDED = "embedded"
 DEFAULT_CONTEXT_LIMIT = 4096
@@ -32,10 +35,33 @@ def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
+# the releases verity is tested with; others load with a warning (it reads only mlx-lm's public names)
+TESTED = {"mlx": ((0, 32), (0, 33)), "mlx-lm": ((0, 32), (0, 33))}
+
+
+def untested_versions() -> list[str]:
+    """The installed MLX packages outside the tested range, as 'name version'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name, (low, high) in TESTED.items():
+        try:
+            v = version(name)
+        except PackageNotFoundError:  # MLX's CUDA or Metal build installed under another name
+            continue
+        parts = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+        if not low <= parts < high:
+            out.append(f"{name} {v}")
+    return out
+
+
 def load_model(spec: str = EMBEDDED, float_weights: bool = False,
                shard: Optional[Callable[[nn.Module], str]] = None) -> LoadedModel:
     """`float_weights`: the embedded model dequantized even on a GPU (the distillation copies its layers).
     `shard(model) -> sharding`: splits the model for a distributed group before its weights load."""
+    for found in untested_versions():
+        log.warning("%s is outside the releases verity is tested with (%s)", found,
+                    ", ".join(f"{n} {a[0]}.{a[1]}.x" for n, (a, _) in TESTED.items()))
     if spec == EMBEDDED:
         lm = _load_embedded(quantized=on_gpu() and not float_weights)
         if shard:
