@@ -12,6 +12,12 @@ costs that drift unevenly between cells (a slow spell of plain rounds alone) and
 that goes wrong on them, which is what the scheduler's explorations hedge against; so a change that
 only explores less always looks better here than it is (plain rounds explored every 128 drafting
 rounds instead of 64 gained α = 0.6 ×1 2% here and cost it 17% in a whole run). Pure Python, no MLX.
+
+`--batch`: the batch engine of issue #53 instead (every request a row of one persistent batch,
+every row computed at the round's widest width, no pipeline restarts, look-ahead or parking), its
+round costs modelled from the machine's weights read, tokens' compute and draft steps
+(`BatchCosts`), the scheduler called as the engine calls it (plan_round, observe). `--every`
+prints every seed's ratio; `--rows TEXT` runs the rows whose name contains it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from worker import scheduler as S
-from worker.round import CATCH_UP_LAG, Paid, Row, RowState, SetApart, joint_group, plan_round, run_round
+from worker.round import (CATCH_UP_LAG, CycleReport, Paid, Row, RoundInput, RoundReport, RowState, SetApart, joint_group,
+                          plan_round, run_round)
 
 # medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
 EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
@@ -195,6 +202,109 @@ def _raise(row: Row, e: Exception) -> None:
     raise e
 
 
+@dataclass(frozen=True)
+class BatchCosts:
+    """A round of the batch engine (issue #53), modelled, not measured: every row of the round is
+    computed at its widest width 1 + D, one forward that costs the weights' read or its tokens'
+    compute, whichever is more; a drafting round adds a fixed cost (the plain rounds' overlap
+    lost, the draft's launch) and D draft steps over the rows that draft."""
+
+    overhead_ms: float  # a forward's launches and sampling
+    weights_ms: float  # the target's weights read
+    row_ms: float  # each row's cache read
+    token_ms: float  # each token's compute
+    draft_fixed_ms: float
+    step_ms: float  # a draft step ...
+    step_row_ms: float  # ... and each drafting row's part of it
+
+    def round_ms(self, n: int, lengths: list[int]) -> tuple[float, float]:
+        """(the round, its drafting) in ms for n rows, the joint ones drafting `lengths`."""
+        d = max(lengths, default=0)
+        verify = self.overhead_ms + max(self.weights_ms + self.row_ms * n, self.token_ms * n * (1 + d))
+        draft = self.draft_fixed_ms + d * (self.step_ms + self.step_row_ms * sum(k > 0 for k in lengths)) if d else 0.0
+        return verify + draft, draft
+
+
+# the H200's 9B / 0.8B shapes: memory-bound to ~200 tokens a forward; drafting priced so that α = 0.8 on one
+# request pays 1.5× at k = 4, as the unbatched joint path measured (issue #53: 1.46-1.60)
+GPU_BATCH = BatchCosts(2.0, 4.5, 0.03, 0.025, 2.0, 1.5, 0.01)
+# the 2-core CPU's SmolLM2-135M and its 2-layer draft: compute-bound past 7 tokens a forward; one request's
+# plain and k = 1, 8 rounds as EMBEDDED_X1 measured (32, 44, 99 ms)
+CPU_BATCH = BatchCosts(4.0, 28.0, 0.0, 4.0, 6.0, 5.0, 0.5)
+
+
+@dataclass
+class BatchScenario:
+    """Rows of one persistent batch from their start to their end, `joint` of the `requests`
+    drafting (the rest baseline), every row `tokens` long."""
+
+    name: str
+    alpha: Callable[[int, int], float]  # as Scenario's
+    requests: int
+    joint: int
+    costs: BatchCosts
+    machine: Machine
+    tokens: int = 64
+    runs: int = 4
+    warm_runs: int = 1
+
+
+def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random.Random, spells: Spells,
+                   clock: SimClock) -> tuple[int, float]:
+    """`runs` runs of the batch engine's rounds (the scheduler's plan_round and observe, as the
+    engine calls them): (tokens, seconds)."""
+    tokens, start = 0, clock.now
+    for run in range(runs):
+        clock.now += sc.machine.prefill_s
+        left = {f"{run}-{i}": sc.tokens for i in range(sc.requests)}
+        pos = dict.fromkeys(left, 0)
+        joint = set(list(left)[:sc.joint])
+        while left:
+            clock.pace = spells.at(clock.now) * math.exp(rng.gauss(0, 0.05))
+            states = [RowState(r, room=left[r] - 1, has_drafted=True, last=left[r] <= 1) for r in left if r in joint]
+            plan = sched.plan_round(RoundInput(states, len(left)))
+            lengths = [plan.k(s.request_id) for s in states]
+            round_ms, draft_ms = sc.costs.round_ms(len(left), lengths)
+            clock.now += round_ms / 1000 * clock.pace
+            cycles = []
+            for r in list(left):
+                k = plan.k(r)
+                hits = _hits(int(r.split("-")[1]), pos[r], k, sc.alpha(pos[r], sc.tokens)) if k else 0
+                if r in joint:
+                    cycles.append(CycleReport(r, k, hits))
+                got = min(hits + 1, left[r])
+                pos[r], left[r], tokens = pos[r] + got, left[r] - got, tokens + got
+                if not left[r]:
+                    del left[r]
+                    sched.forget(r)
+            sched.observe(RoundReport(round_ms / 1000 * clock.pace, draft_s=draft_ms / 1000 * clock.pace, cycles=cycles))
+    return tokens, clock.now - start
+
+
+def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
+    """Tokens/s of each fixed k and of adaptive on the batch engine, as `compare`."""
+    out = {}
+    decisions = DecisionClock(sc.machine.decide_s)
+    for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
+        rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), SimClock()
+        sched = S.Scheduler(fixed=fixed, clock=decisions.perf_counter)
+        simulate_batch(sched, sc, sc.warm_runs, rng, spells, clock)
+        tokens, seconds = simulate_batch(sched, sc, sc.runs, rng, spells, clock)
+        out[name] = tokens / seconds
+    return out
+
+
+def batch_rows() -> list[BatchScenario]:
+    """The batch engine's rows: `verity bench gpu-batch`'s (N = 1, 8, 32, 64 at α = 0.6 and 0.8, and
+    half the requests joint at 8 and 32) and `verity bench batch`'s on the CPU (N = 1, 4, 8, 16)."""
+    rows = [BatchScenario(f"gpu α={a} N={n}", lambda p, t, a=a: a, n, n, GPU_BATCH, H200, runs=3)
+            for a in (0.6, 0.8) for n in (1, 8, 32, 64)]
+    rows += [BatchScenario(f"gpu α=0.8 N={n} half", lambda p, t: 0.8, n, n // 2, GPU_BATCH, H200, runs=3) for n in (8, 32)]
+    rows += [BatchScenario(f"cpu α={a} N={n}", lambda p, t, a=a: a, n, n, CPU_BATCH, CPU, tokens=48)
+             for a in (0.6, 0.9) for n in (1, 4, 8, 16)]
+    return rows
+
+
 class DecisionClock:
     """Stands in for the scheduler's clock, so that every decision takes Machine.decide_s and a
     run does not depend on what else the machine running the simulation does."""
@@ -246,14 +356,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--gpu", action="store_true", help="the H200 rows of `verity bench gpu` instead")
+    p.add_argument("--batch", action="store_true", help="the batch engine's rows (issue #53) instead")
+    p.add_argument("--rows", default="", help="only the rows whose name contains this")
+    p.add_argument("--every", action="store_true", help="print every seed's ratio")
     args = p.parse_args(argv)
-    for sc in gpu_rows() if args.gpu else bench_rows():
-        ratios = []
+    rows = batch_rows() if args.batch else gpu_rows() if args.gpu else bench_rows()
+    for sc in [sc for sc in rows if args.rows in sc.name]:
+        best, plain = [], []
         for seed in range(args.seeds):
-            o = compare(sc, seed, (0, 4, 8) if args.gpu else (0, 1, 2, 4))
-            ratios.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))
-        print(f"{sc.name:18s} adaptive ÷ best fixed k (k = 0 included): median {statistics.median(ratios):.3f}, "
-              f"least {min(ratios):.3f} over {args.seeds} seeds")
+            if args.batch:
+                o = compare_batch(sc, seed)
+            else:
+                o = compare(sc, seed, (0, 4, 8) if args.gpu else (0, 1, 2, 4))
+            best.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))
+            plain.append(o["adaptive"] / o["k=0"])
+        line = f"{sc.name:18s} adaptive ÷ best fixed k (k = 0 included): median {statistics.median(best):.3f}, " \
+               f"least {min(best):.3f}; ÷ plain: median {statistics.median(plain):.3f}, least {min(plain):.3f}"
+        print(line + (f" over {args.seeds} seeds" if not args.every else
+                      "\n    ÷ best: " + " ".join(f"{r:.3f}" for r in best) + "\n    ÷ plain: " + " ".join(f"{r:.3f}" for r in plain)))
     return 0
 
 
