@@ -10,7 +10,7 @@ from typing import Sequence
 
 from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell
 from worker.scheduler.allocation import allocate, rank, survivals
-from worker.scheduler.table import _reach, estimate
+from worker.scheduler.table import _reach, estimate, padding
 
 POSITIONS = 8  # deepest draft of one request
 SWITCH_HORIZON = 16  # rounds a switching cost (a catch-up, a discarded forward, a restart) is spread over
@@ -70,7 +70,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
            probe: bool = False, counts: dict[Cell, int] | None = None,
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
            explore_plain: bool = False, draft_step: float | None = None,
-           explore_margin: float | None = EXPLORE_MARGIN) -> Decision:
+           explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -81,8 +81,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     SWITCH_HORIZON rounds; B = 0 pays `stop_s`, what stopping costs, likewise. With `probe`, a
     round that would draft nothing drafts at least one token for each request (the best drafting
     candidate's allocation where wider); with `explore_plain`, a round that would draft drafts
-    nothing where drafting leads by less than `explore_margin` (None: by any lead). Returns the
-    inputs' derived values and the choice, as logged and replayed.
+    nothing where drafting leads by less than `explore_margin` (None: by any lead); `pad`: see
+    `estimate`. Returns the inputs' derived values and the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
@@ -94,7 +94,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
             gain += surv[r][j - 1]
         lengths = allocate(surv, b)
         d = max(lengths, default=0)
-        cost = estimate(table, n_requests, b, d, counts, draft_step)
+        cost = estimate(table, n_requests, b, d, counts, draft_step, pad)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:
@@ -168,13 +168,14 @@ def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, 
     at some depth d within reach (one past the deepest measured: the extrapolation past it is
     optimistic enough to make any draft look worth a probe) or, with the measured `draft_step`,
     at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
-    step more a depth."""
+    step and the padding it adds (`padding`) more a depth."""
     reach = _reach(table, n)
+    step = None if draft_step is None else draft_step + padding(table, n, draft_step)
     for d in range(1, POSITIONS + 1):
         if d <= reach:
             cost = estimate(table, n, joint * d, d, counts)
-        elif draft_step is not None and reach >= 2:
-            cost = estimate(table, n, joint * reach, reach, counts) + (d - reach) * draft_step
+        elif step is not None and reach >= 2:
+            cost = estimate(table, n, joint * reach, reach, counts) + (d - reach) * step
         else:
             break
         if cost is not None and (n + joint * d) / cost > n / plain:

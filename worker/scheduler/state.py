@@ -137,7 +137,7 @@ class Scheduler:
                               "b_max": self.b_max, "probe": probe, "acceptance": rates,
                               "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
-                              "explore_margin": margin, "draft_step_s": draft_step, **d.to_log()})
+                              "explore_margin": margin, "draft_step_s": draft_step, "padding": True, **d.to_log()})
         return d, probe, decide_s, margin
 
     def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None) -> tuple[float | None, float | None]:

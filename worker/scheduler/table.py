@@ -6,6 +6,9 @@ from __future__ import annotations
 from worker.round import Cell
 from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates
 
+PAD_SPAN = 8  # tokens a verify's slope must span to price padding: over fewer, a BLAS stair (the CPU's one request:
+              # 3 → 4 tokens 22 ms, 4 → 5 nearly free)
+
 
 def _cells(table: dict[Cell, float], n: int) -> list[tuple[int, int, float]]:
     """The (B, D, cost) of every cell of N requests."""
@@ -61,31 +64,50 @@ def _reach(table: dict[Cell, float], n: int) -> int:
     return max([own] + shared)
 
 
+def padding(table: dict[Cell, float], n: int, draft_step: float | None = None) -> float:
+    """What a depth more adds to the verify of n requests, every row computed at the round's widest
+    width: n tokens at the cheapest a verify token has cost between two drafting depths of any N
+    (their drafting, `draft_step` a depth, taken out; a drafting round's fixed cost cancels), over
+    PAD_SPAN tokens or more (fewer: a stair) from n tokens a forward up (a forward's cost rises
+    no slower past them); 0 where nothing shows it. Compute-bound, a row drafting 8 among 32 costs
+    like every row at width 9; memory-bound, next to nothing."""
+    verify: dict[tuple[int, int], float] = {}  # (N, D): the cheapest round's verify
+    for k, v in table.items():
+        if k.d:
+            verify[k.n, k.d] = min(v - k.d * (draft_step or 0.0), verify.get((k.n, k.d), v))
+    slopes = [(verify[m, hi] - verify[m, lo]) / (m * (hi - lo)) for m, lo in verify for m2, hi in verify
+              if m2 == m and hi > lo and m * (1 + lo) >= n and m * (hi - lo) >= PAD_SPAN]
+    return n * max(0.0, min(slopes)) if slopes else 0.0
+
+
 def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
-             draft_step: float | None = None) -> float | None:
+             draft_step: float | None = None, pad: bool = True) -> float | None:
     """Cost of a round from a table (`CostModel.table()`, or a logged one); None when nothing of this N is known.
 
     A round never costs more than a measured one that does more work (at least as many tokens
     and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
     MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
     neighbour's load, a first allocation) must not price a cell out of ever being measured again.
-    `draft_step`: the measured drafting seconds a depth (see `_interpolate`).
+    `draft_step`: the measured drafting seconds a depth (see `_interpolate`); `pad`: a depth past
+    the deepest measured costs at least its `padding` (False: as logs written before it were).
     """
-    cost = _interpolate(table, n, b, d, draft_step)
+    cost = _interpolate(table, n, b, d, draft_step, pad)
     key = Cell(n, b, d)
     if cost is not None and counts is not None and key in table and counts.get(key, 0) < MIN_SAMPLES:
-        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step)
+        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step, pad)
         cost = cost if others is None else min(cost, others)
     bounds = [v for k, v in table.items() if _dominates(k, n, b, d) and (counts is None or counts.get(k, 0) >= MIN_SAMPLES)]
     return min([cost] + bounds) if cost is not None else None
 
 
-def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: float | None = None) -> float | None:
+def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: float | None = None,
+                 pad: bool = True) -> float | None:
     """A cell's own figure; else along B among cells of its (N, D), else along D from the cheapest
     cell of each measured depth; past the deepest measured depth from the nearest other N that
     measured it (scaled by the plain rounds' ratio), else at the cheapest step per depth measured
     so far (one drafting depth measured: PRIOR_SLOPE × the plain round), and no more than
-    `draft_step` a depth more. Optimistic, so that a deeper draft that might pay gets tried."""
+    `draft_step` a depth more. Optimistic, so that a deeper draft that might pay gets tried; but
+    with `pad`, past the deepest measured depth a depth costs at least its `padding`."""
     exact = table.get(Cell(n, b, d))
     if exact is not None:
         return exact
@@ -93,7 +115,7 @@ def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: f
     if not cells:
         other = _stand_in(table, n)  # its plain round stands in for this N's until one is measured:
         # the ratios between candidates, which decide, carry over (an N's rounds cost about in proportion)
-        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step)
+        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step, pad)
     same_d = {kb: v for kb, kd, v in cells if kd == d}
     if same_d:
         return _along(same_d, b)
@@ -103,13 +125,14 @@ def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: f
     deepest = max(by_depth)
     if d < deepest:
         return _along(by_depth, d)
+    width = padding(table, n, draft_step) if pad else 0.0
     if d > deepest and (scaled := _from_other_n(table, n, d)) is not None:
-        return scaled
+        return max(scaled, by_depth[deepest] + width * (d - deepest))
     depths = sorted(by_depth)
     if sum(x >= 1 for x in depths) >= 2:  # the cheapest step per depth measured so far
         slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
     else:
         slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
-    if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more
+    if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more ...
         slope = min(slope, draft_step)
-    return by_depth[deepest] + slope * (d - deepest)
+    return by_depth[deepest] + max(slope, width) * (d - deepest)  # ... than the padding it adds

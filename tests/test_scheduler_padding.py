@@ -1,0 +1,79 @@
+"""A row's draft length weighs the padding it imposes on the others (worker/scheduler/table.py,
+`padding`): every row of a batched round is computed at the round's widest width, so on a
+compute-bound machine one row drafting 8 among 32 costs like every row at width 9, and on a
+memory-bound one next to nothing."""
+
+from __future__ import annotations
+
+import json
+
+from worker.round import Cell
+from worker.scheduler import HOPELESS_EVERY, decide, estimate, probe_interval, replay
+from worker.scheduler.table import PAD_SPAN, padding
+
+# bench/simulator.py's CPU_BATCH with 32 rows (ms): plain 132; one row drafting 1 (width 2 for every
+# row) 4 + 256 + 11.5; one row drafting 2, 4 + 384 + 17
+CPU_32 = {Cell(32, 0, 0): 0.132, Cell(32, 1, 1): 0.2715, Cell(32, 2, 2): 0.405}
+CPU_STEP = 0.0055  # its draft step (the drafting round's fixed 6 ms aside)
+# GPU_BATCH with 32 rows: plain 7.46; four rows drafting 1 or 2, memory-bound (the verify as plain)
+GPU_32 = {Cell(32, 0, 0): 0.00746, Cell(32, 4, 1): 0.01100, Cell(32, 4, 2): 0.01254}
+GPU_STEP = 0.00154
+
+
+def test_a_narrow_deep_cell_costs_like_every_row_at_its_width_where_compute_bound():
+    width = padding(CPU_32, 32, CPU_STEP)
+    assert abs(width - 0.128) < 1e-9  # 32 tokens a depth at the verify's 4 ms a token
+    narrow, wide = estimate(CPU_32, 32, 8, 8, draft_step=CPU_STEP), estimate(CPU_32, 32, 256, 8, draft_step=CPU_STEP)
+    every_row_at_9 = 0.004 + 32 * 9 * 0.004 + 0.006 + 8 * 0.0055  # the simulator's round of 32 rows at width 9
+    assert narrow == wide and 0.9 * every_row_at_9 < narrow < 1.1 * every_row_at_9
+    # the prior before: a depth past the deepest measured at no more than a draft step: 0.36 of it
+    old = estimate(CPU_32, 32, 8, 8, draft_step=CPU_STEP, pad=False)
+    assert old < 0.4 * every_row_at_9
+
+
+def test_a_deep_cell_stays_nearly_free_where_memory_bound():
+    assert padding(GPU_32, 32, GPU_STEP) < 1e-12  # the verify of width 3 cost what width 2 did
+    deep = estimate(GPU_32, 32, 8, 8, draft_step=GPU_STEP)
+    assert abs(deep - estimate(GPU_32, 32, 8, 8, draft_step=GPU_STEP, pad=False)) < 1e-12
+    assert abs(deep - (0.01254 + 6 * GPU_STEP)) < 1e-12
+
+
+def test_a_stair_over_few_tokens_prices_no_padding():
+    """One request's verify is a staircase (the CPU: 3 → 4 tokens 22 ms, 4 → 5 nearly free): a slope
+    over fewer than PAD_SPAN tokens is a stair, and the deeper depths keep their optimistic price."""
+    one = {Cell(1, 0, 0): 0.0306, Cell(1, 1, 1): 0.0443, Cell(1, 2, 2): 0.0682, Cell(1, 3, 3): 0.0863}
+    assert padding(one, 1, 0.002) == 0.0 and PAD_SPAN > 3
+    four = {Cell(4, 0, 0): 0.09, Cell(4, 4, 1): 0.11, Cell(4, 8, 2): 0.135, Cell(4, 12, 3): 0.16}
+    assert padding(four, 4) == 4 * (0.16 - 0.11) / 8  # depths 1 and 3 span 8 tokens; consecutive ones 4
+
+
+def test_a_smaller_batch_is_padded_as_the_larger_one_measured():
+    """Slopes measured with more requests price a smaller N (a forward's cost rises no slower past
+    more tokens); with fewer, they would not price a larger one (below, a forward is memory-bound)."""
+    table = {**CPU_32, Cell(8, 0, 0): 0.036}
+    assert abs(padding(table, 8, CPU_STEP) - 8 * 0.004) < 1e-9
+    small = {Cell(2, 0, 0): 0.032, Cell(2, 2, 1): 0.043, Cell(2, 10, 5): 0.060, Cell(32, 0, 0): 0.132}
+    assert padding(small, 32) == 0.0
+
+
+def test_drafting_that_padding_prices_out_is_probed_rarely():
+    """Eight rows on the compute-bound CPU: once two depths show the verify's 4 ms a token, no
+    depth pays even with every draft accepted, and probes come every HOPELESS_EVERY rounds;
+    priced without the padding, depth 3 looked like it could."""
+    table = {Cell(8, 0, 0): 0.036, Cell(8, 8, 1): 0.083, Cell(8, 16, 2): 0.124}
+    counts = dict.fromkeys(table, 8)
+    assert probe_interval(table, 8, counts, first=[0.9] * 8, draft_step=0.012) == HOPELESS_EVERY
+    assert decide([[0.9] * 8] * 8, 8, table, 64, counts=counts, draft_step=0.012).budget == 0
+
+
+def test_a_log_written_before_the_padding_replays_with_the_prior_it_had():
+    acceptance = [[0.95] * 8]
+    old = decide(acceptance, 32, CPU_32, 8, draft_step=CPU_STEP, pad=False)
+    new = decide(acceptance, 32, CPU_32, 8, draft_step=CPU_STEP)
+    assert old.candidates != new.candidates
+    rec = {"round": 1, "requests": ["a"], "n_requests": 32, "b_max": 8, "probe": False, "acceptance": acceptance,
+           "cost_table": {c.key(): v for c, v in CPU_32.items()}, "cost_counts": None, "behind": [False],
+           "switch_s": 0.0, "stop_s": 0.0, "explore_plain": False, "explore_margin": 1.25, "draft_step_s": CPU_STEP}
+    assert replay([json.dumps({**rec, **old.to_log()})]) == []  # no "padding": the prior before
+    assert replay([json.dumps({**rec, "padding": True, **new.to_log()})]) == []
+    assert replay([json.dumps({**rec, **new.to_log()})]) != []
