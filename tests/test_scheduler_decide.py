@@ -8,9 +8,9 @@ import math
 import pytest
 
 from worker.round import Cell
-from worker.scheduler import (FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Scheduler, decide,
-                              estimate, probe_interval)
-from worker.scheduler.decide import _best, _best_drafting
+from worker.scheduler import (FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Probe, Scheduler,
+                              decide, estimate, probe_interval, survivals)
+from worker.scheduler.decide import _best
 
 
 def test_speculation_switches_off_when_it_does_not_pay():
@@ -135,7 +135,8 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert probe_interval(cpu, 4, first=[0.3] * 4) == FREE_SIT_OUT  # yields 5.2 tokens at 1.3× plain
     assert probe_interval(cpu, 4, first=[0.0] * 4) == 16  # (0.160 - 0.123) / (2% of 0.123), rounded up
     assert probe_interval(cpu, 4, catch_up=0.14, first=[0.0] * 4) == 72  # its drafts first catch up: 0.160 + 0.14
-    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.3] * 4, behind=True) == 58  # a draft is behind already
+    # a draft is behind already (a probe accepting 2 or more of its 4 drafts, chance 0.35, is followed by another)
+    assert probe_interval(cpu, 4, catch_up=0.14, first=[0.3] * 4, behind=True) == 57
     one = {Cell(1, 0, 0): 0.054, Cell(1, 1, 1): 0.068}  # one request: plain rounds pipeline the next forward
     assert probe_interval(one, 1, first=[0.3]) == FREE_SIT_OUT
     assert probe_interval(one, 1, first=[0.3], discard=0.054) == 48  # a probe throws the forward ahead away: 0.068 + 0.054
@@ -158,22 +159,24 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     assert d.allocation == [1, 1, 0] and d.budget == 2  # the third request has no room
 
 
-def test_a_probe_drafts_the_best_drafting_allocation_where_it_is_deeper():
+def test_a_lone_request_probes_the_best_drafting_allocation():
     """The H200's 0.8 B draft: k = 1 costs 2.3 plain rounds and k = 8 3.1, so a k = 1 probe can
     never pay and never observes the deeper positions; in simulation three early misses at
-    positions 2-3 kept α = 0.8 plain for whole runs (0.68-0.78 of k = 8). A probe drafts what the
-    best drafting candidate would (here 3 deep), at least one token for each request, and is
-    priced by that candidate; where k = 1 is the best drafting candidate (the CPU), it is k = 1."""
+    positions 2-3 kept α = 0.8 plain for whole runs (0.68-0.78 of k = 8). Where the round is one
+    request, its probe is the whole round and drafts what the best drafting candidate would (here
+    3 deep), priced as such; a log written before probes were few rows (no `probe_rows`) replays
+    that rule for every request: at least one token each."""
     gpu = {Cell(1, 0, 0): 0.0060, Cell(1, 1, 1): 0.0140, Cell(1, 8, 8): 0.0185}
-    d = decide([[0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], 1, gpu, 8, probe=True)
+    acceptance = [0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    d = decide([acceptance], 1, gpu, 8, probe=True)
     assert _best(d.candidates).b == 0 and d.allocation == [3]  # 2.0 tokens for 15.3 ms (interpolated)
+    assert decide([acceptance], 1, gpu, 8, probe=True, probe_rows=[0], probe_depth=3).allocation == [3]
     assert decide([[0.6] * 8], 1, gpu, 8).allocation == [0]  # no probe: plain
     cpu = {Cell(4, 0, 0): 0.123, Cell(4, 4, 1): 0.160, Cell(4, 8, 2): 0.230}
     assert decide([[0.2, 0.2]] * 4, 4, cpu, 8, probe=True).allocation == [1, 1, 1, 1]
-    deep = _best_drafting(d.candidates)
     shallow = probe_interval(gpu, 1, first=[0.6])  # priced as a k = 1 probe: 14 ms for 1.6 tokens
-    # 15.3 ms for 2.0 tokens loses less; each × 2.5, with the 1.5 probe rounds expected to follow hits at 0.6
-    assert (shallow, probe_interval(gpu, 1, first=[0.6], drafting=deep)) == (92, 63)
+    deep = Probe.of([survivals(acceptance)], [3])  # 15.3 ms for 2.05 tokens loses less, and is followed less often
+    assert (shallow, probe_interval(gpu, 1, first=[0.6], probe=deep)) == (92, 36)
     s = Scheduler()
     s.cost.cells = {Cell(1, 0, 0): [(0, 0.009)] * 5, Cell(1, 1, 1): [(0, 0.015)] * 5}
     for _ in range(100):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+POSITIONS = 8  # deepest draft of one request
 # Scores equal to this many decimal places are ties: 0.7 * 0.7 (0.48999999999999994) ties 0.49.
 TIE_DECIMALS = 9
 

@@ -8,18 +8,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell
-from worker.scheduler.allocation import allocate, rank, survivals
-from worker.scheduler.table import _reach, estimate, padding
+from worker.round import PIPELINE_WARM_ROUNDS, Cell
+from worker.scheduler.allocation import POSITIONS, allocate, rank, survivals
+from worker.scheduler.probe import PROBE_DEPTH, PROBE_SHARE, probe_lengths
+from worker.scheduler.table import estimate
 
-POSITIONS = 8  # deepest draft of one request
 SWITCH_HORIZON = 16  # rounds a switching cost (a catch-up, a discarded forward, a restart) is spread over
-PROBE_SHARE = 0.02  # probes (and plain explorations) come as often as keeps their expected loss under this share
-PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often
-FEW_OBSERVED = 16.0  # position-1 observations over the long run under which ...
-UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×)
-MAX_FOLLOW_HIT = 0.9  # the chance of a probe's hit that prices its follow-ups at most (9 rounds)
-HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least
 FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this
@@ -70,7 +64,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
            probe: bool = False, counts: dict[Cell, int] | None = None,
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
            explore_plain: bool = False, draft_step: float | None = None,
-           explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True) -> Decision:
+           explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True,
+           probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -79,8 +74,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     that drafts for a request whose draft is `behind` (it must first catch up, or its pipelined
     plain rounds computed a forward ahead that drafting throws away) pays `switch_s` spread over
     SWITCH_HORIZON rounds; B = 0 pays `stop_s`, what stopping costs, likewise. With `probe`, a
-    round that would draft nothing drafts at least one token for each request (the best drafting
-    candidate's allocation where wider); with `explore_plain`, a round that would draft drafts
+    round that would draft nothing drafts `probe_depth` for each of `probe_rows` (`probe_lengths`);
+    None, as logs written before them: at least one token for each request, the best drafting
+    candidate's allocation where wider. With `explore_plain`, a round that would draft drafts
     nothing where drafting leads by less than `explore_margin` (None: by any lead); `pad`: see
     `estimate`. Returns the inputs' derived values and the choice, as logged and replayed.
     """
@@ -109,9 +105,12 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     if explored:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
-        drafting = _best_drafting(candidates)
-        widest = allocate(surv, drafting.b) if drafting else [0] * len(surv)
-        lengths = [max(k, int(bool(row))) for k, row in zip(widest, surv)]  # at least one token for each request with room
+        if probe_rows is None:
+            drafting = _best_drafting(candidates)
+            widest = allocate(surv, drafting.b) if drafting else [0] * len(surv)
+            lengths = [max(k, int(bool(row))) for k, row in zip(widest, surv)]  # at least one token for each request with room
+        else:
+            lengths = probe_lengths(surv, probe_rows, probe_depth)
         budget = sum(lengths)
     return Decision(surv, candidates, budget, lengths, explored)
 
@@ -121,66 +120,8 @@ def _best(candidates: list[Candidate]) -> Candidate:
 
 
 def _best_drafting(candidates: list[Candidate]) -> Candidate | None:
-    """The best candidate that drafts: what a probe drafts, where it is wider than a token a
-    request (a k = 1 probe never observes the deeper positions that decide whether drafting pays)."""
+    """The best candidate that drafts: a probe drafts no deeper for a request than it would."""
     return _best([c for c in candidates if c.b]) if len(candidates) > 1 else None
-
-
-def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell, int] | None = None,
-                   catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
-                   behind: bool = False, restart: float = 0.0, drafting: Candidate | None = None,
-                   draft_step: float | None = None) -> int:
-    """Plain rounds between probes. A probe drafts at least one token for each joint request
-    (`first`: their position-1 estimates), or the best drafting candidate's allocation where that
-    is wider (`drafting`: that candidate of the last decision). Its expected loss is its cost less
-    the plain time of the tokens it expects (N + the sum of `first`, or the candidate's gain),
-    plus `discard` (the forward computed ahead that a batched probe throws away), `restart` (what
-    the plain rounds after it pay to start the pipeline again: Scheduler._stop_seconds) and the
-    probes expected to follow a hit; `catch_up`, what its drafts first feed, adds to it unless it
-    comes within FREE_SIT_OUT rounds. Probes come as often as keeps that under PROBE_SHARE of the
-    plain time between them: every FREE_SIT_OUT rounds where a probe costs next to nothing (and no
-    draft is `behind` already), every HOPELESS_EVERY where no depth could pay (`_could_pay`)."""
-    plain, probe = estimate(table, n_requests, 0, 0, counts), estimate(table, n_requests, max(1, len(first)), 1, counts)
-    if not plain or probe is None or not first:
-        return PROBE_EVERY
-    if not _could_pay(table, n_requests, len(first), counts, plain, draft_step):
-        return HOPELESS_EVERY
-    expected = plain * (n_requests + sum(first)) / n_requests  # plain time for what a probe yields
-    if drafting is not None and drafting.b > len(first):
-        probe, expected = drafting.cost, plain * drafting.gain / n_requests
-    loss = probe - expected + (discard or 0.0) + restart + _follow_ups(first) * max(0.0, probe - expected)
-    if not behind and loss <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
-        return FREE_SIT_OUT
-    return max(FREE_SIT_OUT + 1, math.ceil((loss + (catch_up or 0.0)) / (PROBE_SHARE * plain)))
-
-
-def _follow_ups(first: Sequence[float]) -> float:
-    """Probe rounds expected to follow a probe (one follows each that any draft hit, chance
-    1 - Π(1 - a1), at most MAX_FOLLOW_HIT)."""
-    miss = math.prod(1.0 - min(a, 1.0) for a in first)
-    hit = min(1.0 - miss, MAX_FOLLOW_HIT)
-    return hit / (1.0 - hit)
-
-
-def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, int] | None, plain: float,
-               draft_step: float | None = None) -> bool:
-    """Whether drafting d tokens for each of `joint` requests, all accepted, beats plain rounds
-    at some depth d within reach (one past the deepest measured: the extrapolation past it is
-    optimistic enough to make any draft look worth a probe) or, with the measured `draft_step`,
-    at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
-    step and the padding it adds (`padding`) more a depth."""
-    reach = _reach(table, n)
-    step = None if draft_step is None else draft_step + padding(table, n, draft_step)
-    for d in range(1, POSITIONS + 1):
-        if d <= reach:
-            cost = estimate(table, n, joint * d, d, counts)
-        elif step is not None and reach >= 2:
-            cost = estimate(table, n, joint * reach, reach, counts) + (d - reach) * step
-        else:
-            break
-        if cost is not None and (n + joint * d) / cost > n / plain:
-            return True
-    return False
 
 
 def plain_probe_interval(d: Decision, n_requests: int, restart: float = 0.0, discard: float = 0.0) -> int:

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from worker.round import Cell
 from worker.scheduler.decide import EXPLORE_MARGIN, Decision, decide
+from worker.scheduler.probe import PROBE_DEPTH
 
 LOG_BATCH = 256  # records encoded together (see DecisionLog.flush)
 
@@ -63,7 +64,7 @@ def decide_again(rec: dict) -> Decision:
     return decide(rec["acceptance"], rec["n_requests"], cells_from_log(rec["cost_table"]), rec["b_max"], rec["probe"],
                   cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
                   rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN),
-                  rec.get("padding", False))
+                  rec.get("padding", False), rec.get("probe_rows"), rec.get("probe_depth", PROBE_DEPTH))
 
 
 def _same(a, b) -> bool:

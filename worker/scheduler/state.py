@@ -9,10 +9,12 @@ from typing import Callable, Sequence
 
 from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell, RoundInput, RoundPlan, RoundReport, SetApart
 from worker.scheduler.acceptance import LONG_DECAY, PRIOR_WEIGHT, Acceptance
+from worker.scheduler.allocation import POSITIONS, allocate, survivals
 from worker.scheduler.cost import DISCARD_REASONS, MIN_SAMPLES, PIPELINE_REASONS, TAKEN_REASONS, CostModel
-from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_OBSERVED, FEW_PLAIN_GAP, HOPELESS_EVERY, PLAIN_GAP, POSITIONS,
-                                     PROBE_EVERY, PROBE_SHARE, UNCERTAIN_SHARE, Candidate, Decision, _best,
-                                     _best_drafting, decide, plain_probe_interval, probe_interval)
+from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, Candidate, Decision, _best,
+                                     _best_drafting, decide, plain_probe_interval)
+from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, PROBE_DEPTH, PROBE_EVERY, PROBE_SHARE, UNCERTAIN_SHARE,
+                                    Probe, probe_count, probe_interval, probe_lengths)
 from worker.scheduler.log import DecisionLog, cells_to_log
 from worker.scheduler.table import estimate
 
@@ -46,7 +48,10 @@ class Scheduler:
         self._drafting_best: dict[int, Candidate | None] = {}  # by N: the last decision's best drafting candidate (what a probe drafts)
         self._drafting = False  # see `drafting`
         self._probing = False  # this round is a probe
-        self._probe_hit = False  # ... and one of its drafts was accepted: the next round probes too
+        self._probe_hit = False  # ... and it accepted more drafts than expected: the next round probes too
+        self._probe_left = 0.0  # drafts it must still accept to do so
+        self._probes = 0  # probes run: their depth goes 1 to PROBE_DEPTH in turn
+        self._probed: dict[str, int] = {}  # by request: the round a probe last drafted for it
         self._explorable = True  # the held decision leads plain by less than EXPLORE_MARGIN (see `plan`)
         self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
 
@@ -79,6 +84,10 @@ class Scheduler:
                 self._drafting = bool(d.budget) and not probe
             self._probe_hit = False
             self._probing = bool(d.budget) and probe and _best(d.candidates).b == 0
+            if self._probing:
+                self._probe_left = Probe.of(d.survival, lengths).gain + 1e-9
+                self._probes += 1
+                self._probed.update((rid, self.rounds) for rid, k in zip(joint_ids, lengths) if k)
             self._held = (list(joint_ids), lengths)
             self._hold_left = 0 if probe else self._hold_rounds(d, decide_s)
             # a due plain exploration ends the hold only where it would be taken (a lead under the margin)
@@ -112,11 +121,12 @@ class Scheduler:
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
-        catch_up, probe_catch_up = self._catch_up_seconds(n_requests, feeds)
+        rows, depth, shape = self._next_probe(joint_ids, rates, n_requests)
+        catch_up, probe_catch_up = self._catch_up_seconds(n_requests, feeds, shape.lengths)
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
         self._probe_every = self._probe_interval(table, counts, n_requests, rates, probe_catch_up, discard,
-                                                 any(behind or []), restart)
+                                                 any(behind or []), restart, shape)
         probe = self.rounds_without_draft >= self._probe_every or self._probe_hit  # a probe that hit: another
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
@@ -127,7 +137,8 @@ class Scheduler:
         explore = self._plain_due(n_requests, plain_rounds)
         margin = self._explore_margin(n_requests, plain_rounds)
         draft_step = self.cost.draft_step(n_requests)
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin)
+        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin,
+                   True, rows, depth)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
@@ -137,25 +148,44 @@ class Scheduler:
                               "b_max": self.b_max, "probe": probe, "acceptance": rates,
                               "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
-                              "explore_margin": margin, "draft_step_s": draft_step, "padding": True, **d.to_log()})
+                              "explore_margin": margin, "draft_step_s": draft_step, "padding": True,
+                              "probe_rows": rows, "probe_depth": depth, **d.to_log()})
         return d, probe, decide_s, margin
 
-    def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None) -> tuple[float | None, float | None]:
-        """What the drafts' catch-ups cost: where drafting starts now, and for a probe, which feeds
-        at least what a draft feeds after FREE_SIT_OUT + 1 plain rounds; by the tokens each feeds
-        where `feeds` are known, else the median catch-up."""
+    def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None,
+                          probed: Sequence[int]) -> tuple[float | None, float | None]:
+        """What the drafts' catch-ups cost: where drafting starts now, and for a probe (drafting
+        `probed` per request), which feeds at least what a draft feeds after FREE_SIT_OUT + 1 plain
+        rounds; by the tokens each feeds where `feeds` are known, else the median catch-up."""
         catch_up = probe_catch_up = self.cost.catch_up_seconds(n)
         if feeds is not None and catch_up is not None:
             catch_up = sum(self.cost.feed_seconds(n, f) for f in feeds)
-            probe_catch_up = sum(self.cost.feed_seconds(n, max(f, FREE_SIT_OUT + 2)) for f in feeds)
+            probe_catch_up = sum(self.cost.feed_seconds(n, max(f, FREE_SIT_OUT + 2)) for f, k in zip(feeds, probed) if k)
         return catch_up, probe_catch_up
 
+    def _next_probe(self, joint_ids: list[str], rates: list[list[float]], n: int) -> tuple[list[int], int, Probe]:
+        """The next probe: its requests (`probe_count` of those with room, the fewest observations at
+        position 1 first, then those probed longest ago), its depth (1 to PROBE_DEPTH in turn; where
+        the round is one request, the probe is the whole round: the last decision's best drafting
+        candidate's, which observes the deeper positions) and what it drafts."""
+        open_rows = [i for i, r in enumerate(rates) if r]
+        order = sorted(open_rows, key=lambda i: (self._acceptance(joint_ids[i]).tried[0],
+                                                 self._probed.get(joint_ids[i], -1), i))
+        rows = sorted(order[:probe_count(len(open_rows))])
+        surv = [survivals(r) for r in rates]
+        best = self._drafting_best.get(n)
+        depth = 1 + self._probes % PROBE_DEPTH
+        if n == 1:
+            depth = max([1] + (allocate(surv, best.b) if best else []))
+        return rows, depth, Probe.of(surv, probe_lengths(surv, rows, depth))
+
     def _probe_interval(self, table: dict[Cell, float], counts: dict[Cell, int], n: int, rates: list[list[float]],
-                        catch_up: float | None, discard: float | None, behind: bool, restart: float) -> int:
+                        catch_up: float | None, discard: float | None, behind: bool, restart: float,
+                        probe: Probe) -> int:
         """Plain rounds between probes (`probe_interval`); until position 1 has FEW_OBSERVED
         observations over the long run, probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE."""
         every = probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
-                               self._drafting_best.get(n), self.cost.draft_step(n))
+                               probe, self.cost.draft_step(n))
         if self.longrun.tried[0] < FEW_OBSERVED and every != HOPELESS_EVERY:
             every = max(PROBE_EVERY, math.ceil(every * PROBE_SHARE / UNCERTAIN_SHARE))
         return every
@@ -215,7 +245,8 @@ class Scheduler:
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         if self._probing and n:
-            self._probe_hit = True
+            self._probe_left -= n
+            self._probe_hit = self._probe_left < 0
         if k:
             self._acceptance(request_id).observe(k, n)
             self.overall.observe(k, n)
@@ -262,6 +293,7 @@ class Scheduler:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+        self._probed.pop(request_id, None)
 
     def plan_round(self, inp: RoundInput) -> RoundPlan:
         """The round's draft length for each joint row (worker/round.py)."""
