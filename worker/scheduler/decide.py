@@ -83,13 +83,12 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
     candidates = []
-    gain = float(n_requests)
+    gain, lengths, d = float(n_requests), [0] * len(surv), 0
     for b in range(0, min(b_max, len(ranked)) + 1):
-        if b:
+        if b:  # allocate(surv, b), built as B grows
             r, j = ranked[b - 1]
             gain += surv[r][j - 1]
-        lengths = allocate(surv, b)
-        d = max(lengths, default=0)
+            lengths[r], d = max(lengths[r], j), max(d, j)
         cost = estimate(table, n_requests, b, d, counts, draft_step, pad)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
