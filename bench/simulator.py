@@ -247,6 +247,8 @@ class BatchScenario:
     tokens: int = 64
     runs: int = 4
     warm_runs: int = 1
+    switch_ms: float = 0.0  # a joint row that starts or stops drafting moves its cache out of the batch or back:
+    # main's engine (issue #53), its round set apart as a batch switch, which no cell sees
 
 
 def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random.Random, spells: Spells,
@@ -258,13 +260,17 @@ def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random
         clock.now += sc.machine.prefill_s
         left = {f"{run}-{i}": sc.tokens for i in range(sc.requests)}
         pos = dict.fromkeys(left, 0)
-        joint = set(list(left)[:sc.joint])
+        joint, drafting = set(list(left)[:sc.joint]), set()
         while left:
             clock.pace = spells.at(clock.now) * math.exp(rng.gauss(0, 0.05))
             states = [RowState(r, room=left[r] - 1, has_drafted=True, last=left[r] <= 1) for r in left if r in joint]
             plan = sched.plan_round(RoundInput(states, len(left)))
             lengths = [plan.k(s.request_id) for s in states]
             round_ms, draft_ms = sc.costs.round_ms(len(left), lengths)
+            switched = {s.request_id for s in states if bool(plan.k(s.request_id)) != (s.request_id in drafting)}
+            drafting ^= switched
+            switched = switched if sc.switch_ms else set()
+            round_ms += sc.switch_ms * len(switched)
             clock.now += round_ms / 1000 * clock.pace
             cycles = []
             for r in list(left):
@@ -277,17 +283,19 @@ def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random
                 if not left[r]:
                     del left[r]
                     sched.forget(r)
-            sched.observe(RoundReport(round_ms / 1000 * clock.pace, draft_s=draft_ms / 1000 * clock.pace, cycles=cycles))
+            sched.observe(RoundReport(round_ms / 1000 * clock.pace, SetApart.BATCH_SWITCH if switched else None,
+                                      draft_s=draft_ms / 1000 * clock.pace, cycles=cycles))
     return tokens, clock.now - start
 
 
-def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4)) -> dict[str, float]:
-    """Tokens/s of each fixed k and of adaptive on the batch engine, as `compare`."""
+def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4), b_max: int = S.DEFAULT_B_MAX) -> dict[str, float]:
+    """Tokens/s of each fixed k and of adaptive on the batch engine, as `compare`; `b_max`:
+    adaptive's drafted tokens a round (the engine's --max-round-budget)."""
     out = {}
     decisions = DecisionClock(sc.machine.decide_s)
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
         rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), SimClock()
-        sched = S.Scheduler(fixed=fixed, clock=decisions.perf_counter)
+        sched = S.Scheduler(fixed=fixed, b_max=b_max, clock=decisions.perf_counter)
         simulate_batch(sched, sc, sc.warm_runs, rng, spells, clock)
         tokens, seconds = simulate_batch(sched, sc, sc.runs, rng, spells, clock)
         out[name] = tokens / seconds
@@ -302,6 +310,9 @@ def batch_rows() -> list[BatchScenario]:
     rows += [BatchScenario(f"gpu α=0.8 N={n} half", lambda p, t: 0.8, n, n // 2, GPU_BATCH, H200, runs=3) for n in (8, 32)]
     rows += [BatchScenario(f"cpu α={a} N={n}", lambda p, t, a=a: a, n, n, CPU_BATCH, CPU, tokens=48)
              for a in (0.6, 0.9) for n in (1, 4, 8, 16)]
+    # main's engine: rows moving out of the batch and back, 2 ms each (a probe of 32 rows at 10× a plain round)
+    rows += [BatchScenario(f"gpu α={a} N={n} switch", lambda p, t, a=a: a, n, n, GPU_BATCH, H200, runs=3, switch_ms=2.0)
+             for a in (0.6, 0.8) for n in (8, 32)]
     return rows
 
 
@@ -359,13 +370,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", action="store_true", help="the batch engine's rows (issue #53) instead")
     p.add_argument("--rows", default="", help="only the rows whose name contains this")
     p.add_argument("--every", action="store_true", help="print every seed's ratio")
+    p.add_argument("--b-max", type=int, default=S.DEFAULT_B_MAX, help="adaptive's drafted tokens a round (--batch)")
     args = p.parse_args(argv)
     rows = batch_rows() if args.batch else gpu_rows() if args.gpu else bench_rows()
     for sc in [sc for sc in rows if args.rows in sc.name]:
         best, plain = [], []
         for seed in range(args.seeds):
             if args.batch:
-                o = compare_batch(sc, seed)
+                o = compare_batch(sc, seed, b_max=args.b_max)
             else:
                 o = compare(sc, seed, (0, 4, 8) if args.gpu else (0, 1, 2, 4))
             best.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))

@@ -65,7 +65,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
            explore_plain: bool = False, draft_step: float | None = None,
            explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True,
-           probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH) -> Decision:
+           probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH, halted: bool = False) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -78,7 +78,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     None, as logs written before them: at least one token for each request, the best drafting
     candidate's allocation where wider. With `explore_plain`, a round that would draft drafts
     nothing where drafting leads by less than `explore_margin` (None: by any lead); `pad`: see
-    `estimate`. Returns the inputs' derived values and the choice, as logged and replayed.
+    `estimate`; `halted`: the never-lose rule stopped drafting (window.py): the round drafts
+    nothing, probes neither. Returns the inputs' derived values and the choice, as logged and
+    replayed.
     """
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
@@ -100,8 +102,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     budget = best.b
     lengths = allocate(surv, budget)
     plain = candidates[0]  # B = 0 is always the first candidate
-    explored = bool(explore_plain and budget and (explore_margin is None or best.objective < explore_margin * plain.objective))
-    if explored:
+    explored = bool(not halted and explore_plain and budget
+                    and (explore_margin is None or best.objective < explore_margin * plain.objective))
+    if explored or halted:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
         if probe_rows is None:

@@ -64,7 +64,8 @@ def decide_again(rec: dict) -> Decision:
     return decide(rec["acceptance"], rec["n_requests"], cells_from_log(rec["cost_table"]), rec["b_max"], rec["probe"],
                   cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
                   rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN),
-                  rec.get("padding", False), rec.get("probe_rows"), rec.get("probe_depth", PROBE_DEPTH))
+                  rec.get("padding", False), rec.get("probe_rows"), rec.get("probe_depth", PROBE_DEPTH),
+                  rec.get("halted", False))
 
 
 def _same(a, b) -> bool:

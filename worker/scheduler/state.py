@@ -17,6 +17,7 @@ from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, PROBE_DEPTH, P
                                     Probe, probe_count, probe_interval, probe_lengths)
 from worker.scheduler.log import DecisionLog, cells_to_log
 from worker.scheduler.table import estimate
+from worker.scheduler.window import SWITCHING, NeverLose, WindowState
 
 DEFAULT_B_MAX = 16  # drafted tokens in one round, all requests together
 DECISION_SHARE = 0.01  # a decision may cost this share of the rounds it governs ...
@@ -54,6 +55,8 @@ class Scheduler:
         self._probed: dict[str, int] = {}  # by request: the round a probe last drafted for it
         self._explorable = True  # the held decision leads plain by less than EXPLORE_MARGIN (see `plan`)
         self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
+        self.never_lose = NeverLose()  # drafting that loses to plain rounds stops (window.py)
+        self._accepted = 0  # drafts the planned round's cycles accepted
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -68,17 +71,18 @@ class Scheduler:
         self.cost.commit()  # the previous round, now known to be complete
         self.rounds += 1
         caps = list(room) if room is not None else [None] * len(joint_ids)
+        halted = self.fixed is None and bool(joint_ids) and self.never_lose.stopped(n_requests)
         if not joint_ids:  # baseline requests only: nothing to decide, the round is timed all the same
             lengths: list[int] = []
         elif self.fixed is not None:
             lengths = [self.fixed if c is None else min(self.fixed, c) for c in caps]
-        elif self._holds(joint_ids, n_requests):
+        elif self._holds(joint_ids, n_requests) and not (halted and any(self._held[1])):
             self._hold_left -= 1
             lengths = [k if c is None else min(k, c) for k, c in zip(self._held[1], caps)]
             if self._log:
                 self._log.record({"round": self.rounds, "requests": joint_ids, "held": True, "allocation": lengths})
         else:
-            d, probe, decide_s, margin = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined, feeds)
+            d, probe, decide_s, margin = self._decide(joint_ids, n_requests, behind, caps, ahead, pipelined, feeds, halted)
             lengths = d.allocation
             if any(c is None or c > 0 for c in caps):  # a request's last round has no room to draft
                 self._drafting = bool(d.budget) and not probe
@@ -97,6 +101,7 @@ class Scheduler:
                 self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
+        self._accepted = 0
         if self.fixed is None:
             self._fade(joint_ids, lengths)
         self._round = Cell(n_requests, drafted, max(lengths, default=0))
@@ -114,9 +119,9 @@ class Scheduler:
 
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
                 caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False,
-                feeds: Sequence[int] | None = None) -> tuple[Decision, bool, float, float | None]:
+                feeds: Sequence[int] | None = None, halted: bool = False) -> tuple[Decision, bool, float, float | None]:
         """The rule's decision, logged, with whether it probes, what deciding took (logging aside)
-        and the exploration margin it applied."""
+        and the exploration margin it applied; `halted`: the never-lose rule stopped drafting."""
         t0 = self.clock()
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
@@ -128,6 +133,7 @@ class Scheduler:
         self._probe_every = self._probe_interval(table, counts, n_requests, rates, probe_catch_up, discard,
                                                  any(behind or []), restart, shape)
         probe = self.rounds_without_draft >= self._probe_every or self._probe_hit  # a probe that hit: another
+        probe = probe and not halted
         behind = list(behind or [False] * len(joint_ids))
         ahead = list(ahead or [False] * len(joint_ids))
         switch_s = ((catch_up or 0.0) if any(behind) else 0.0) + ((discard or 0.0) if any(ahead) else 0.0)
@@ -138,7 +144,7 @@ class Scheduler:
         margin = self._explore_margin(n_requests, plain_rounds)
         draft_step = self.cost.draft_step(n_requests)
         d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin,
-                   True, rows, depth)
+                   True, rows, depth, halted)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
@@ -149,7 +155,7 @@ class Scheduler:
                               "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
                               "explore_margin": margin, "draft_step_s": draft_step, "padding": True,
-                              "probe_rows": rows, "probe_depth": depth, **d.to_log()})
+                              "probe_rows": rows, "probe_depth": depth, "halted": halted, **d.to_log()})
         return d, probe, decide_s, margin
 
     def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None,
@@ -244,6 +250,7 @@ class Scheduler:
             self.overall.fade(recent=plain, toward=self.longrun.rates() if plain else None)
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
+        self._accepted += n
         if self._probing and n:
             self._probe_left -= n
             self._probe_hit = self._probe_left < 0
@@ -270,9 +277,11 @@ class Scheduler:
         tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
         if self._round is None:
             return
+        stop = self._never_lose(seconds, complete, reason, apart) if self.fixed is None else None
         if self._log:
             self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
-                              "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s})
+                              "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s,
+                              **({"stopped": stop.to_log()} if stop else {})})
         for why, paid in (apart or {}).items():
             paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
             self.cost.set_aside(self._round, paid_s, why, tuple(fed))
@@ -281,6 +290,23 @@ class Scheduler:
         else:
             self.cost.set_aside(self._round, seconds, reason)
         self._round = None
+
+    def _never_lose(self, seconds: float, complete: bool, reason: SetApart | str,
+                    apart: dict[SetApart | str, float | tuple[float, int, int]] | None) -> WindowState | None:
+        """A round, and what it paid apart, at the machine's pace, to the never-lose rule: complete,
+        or set apart for what drafting costs (`SWITCHING`: counted with the drafting rounds); the
+        state where it stopped drafting (None: it did not)."""
+        switched = not complete and reason in SWITCHING
+        if not (complete or switched):
+            return None
+        paid = sum(p[0] if isinstance(p, (tuple, list)) else p for p in (apart or {}).values())
+        n, b = self._round.n, self._round.b
+        return self.never_lose.observe(n, self.rounds, n + self._accepted, (seconds + paid) / self.cost.pace, b,
+                                       bool(b) and self._probing, switched)
+
+    def window(self, n: int) -> WindowState:
+        """The never-lose rule's state for n requests (window.py)."""
+        return self.never_lose.state(n)
 
     def interrupt(self, reason: SetApart | str) -> None:
         """The last observed round turned out not to be a complete one."""
