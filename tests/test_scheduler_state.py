@@ -424,3 +424,14 @@ def test_observe_is_each_cycle_then_the_round(tmp_path):
     s.plan(["a"], 1)
     assert s.cost.set_apart[-1] == (Cell(1, 0, 0), 0.5, SetApart.PREFILL_OR_ERROR) and s.cost.table() == {Cell(1, 0, 0): 0.05}
     assert s.longrun.tried[0] == 1.0 and s.longrun.accepted[0] == 1.0  # the cycle was observed
+
+
+def test_a_rounds_draft_budget_grows_with_its_rows_unless_set():
+    """At 32 and 64 rows no 16 drafted tokens in all pay (docs/scheduler.md): unless set, a round
+    may draft B_PER_ROW tokens a request, between DEFAULT_B_MAX and B_CEILING."""
+    from worker.scheduler.state import B_CEILING, B_PER_ROW, DEFAULT_B_MAX
+
+    s = Scheduler()
+    assert [s.round_budget(n) for n in (1, 4, 8, 32, 64, 100)] == [DEFAULT_B_MAX, DEFAULT_B_MAX, 8 * B_PER_ROW,
+                                                                   32 * B_PER_ROW, B_CEILING, B_CEILING]
+    assert Scheduler(b_max=3).round_budget(64) == 3

@@ -29,7 +29,7 @@ from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
 from worker.joint.sampling import make_key_fn
 from worker.loader import LoadedModel
 from worker.sampling import SamplingInvalid, sampling_for
-from worker.scheduler import Scheduler
+from worker.scheduler import POSITIONS, Scheduler
 from worker.state.reuse import Held, PrefixCache, Start
 from worker.text import PromptInvalid, render_prompt
 
@@ -40,7 +40,7 @@ class EngineConfig:
     max_waiting: int = 64  # requests queued behind them; the gateway bounds it first
     prefill_step: int = 512
     draft_budget: Optional[int] = None  # fixed tokens drafted per joint cycle; None: adaptive
-    max_round_budget: int = 16  # adaptive: drafted tokens in one round, all requests together
+    max_round_budget: Optional[int] = None  # adaptive: drafted tokens in one round at most (None: by the rows)
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
@@ -327,7 +327,7 @@ class Engine:
         step: the forwards meet in the same collectives)."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
         with mx.stream(generation_stream):
-            self.runner.warm(self._prompt(req) * 16, self.config.max_round_budget + 1)
+            self.runner.warm(self._prompt(req) * 16, POSITIONS + 1)
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""

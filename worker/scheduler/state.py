@@ -19,7 +19,9 @@ from worker.scheduler.log import DecisionLog, cells_to_log
 from worker.scheduler.table import estimate
 from worker.scheduler.window import SWITCHING, NeverLose, WindowState
 
-DEFAULT_B_MAX = 16  # drafted tokens in one round, all requests together
+DEFAULT_B_MAX = 16  # unless set: drafted tokens in one round, all requests together, at the least ...
+B_PER_ROW = 4  # ... and this many a request (at 32-64 rows no 16 drafted tokens pay: docs/scheduler.md)
+B_CEILING = 256  # ... and never more (a decision over 256 takes ~5 ms at 64 rows)
 DECISION_SHARE = 0.01  # a decision may cost this share of the rounds it governs ...
 MAX_HOLD = 16  # ... so where rounds take a few ms, one decision governs up to this many rounds
 
@@ -28,9 +30,10 @@ class Scheduler:
     """Chooses each round's draft lengths: adaptive (`decide` over the acceptance estimates and
     the cost model) or fixed per request; docs/scheduler.md."""
 
-    def __init__(self, fixed: int | None = None, b_max: int = DEFAULT_B_MAX, log_path: str | None = None,
+    def __init__(self, fixed: int | None = None, b_max: int | None = None, log_path: str | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        """`clock`: what a decision's own time is read with (the simulator's stands still)."""
+        """`b_max`: drafted tokens a round may hold in all (None: by the rows, `round_budget`);
+        `clock`: what a decision's own time is read with (the simulator's stands still)."""
         self.fixed, self.b_max, self.clock = fixed, b_max, clock
         self.cost = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
@@ -117,6 +120,13 @@ class Scheduler:
         return (self.rounds_without_draft < self._probe_every or drafts) \
             and not (drafts and self._explorable and self._plain_due(n_requests))
 
+    def round_budget(self, n_requests: int) -> int:
+        """Drafted tokens a round may hold in all: `b_max` where set, else DEFAULT_B_MAX or
+        B_PER_ROW a request, at most B_CEILING."""
+        if self.b_max is not None:
+            return self.b_max
+        return max(DEFAULT_B_MAX, min(B_CEILING, B_PER_ROW * n_requests))
+
     def _decide(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None,
                 caps: list[int | None], ahead: Sequence[bool] | None = None, pipelined: bool = False,
                 feeds: Sequence[int] | None = None, halted: bool = False) -> tuple[Decision, bool, float, float | None]:
@@ -143,7 +153,8 @@ class Scheduler:
         explore = self._plain_due(n_requests, plain_rounds)
         margin = self._explore_margin(n_requests, plain_rounds)
         draft_step = self.cost.draft_step(n_requests)
-        d = decide(rates, n_requests, table, self.b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin,
+        b_max = self.round_budget(n_requests)
+        d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin,
                    True, rows, depth, halted)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
@@ -151,7 +162,7 @@ class Scheduler:
         decide_s = self.clock() - t0
         if self._log:
             self._log.record({"round": self.rounds, "requests": joint_ids, "n_requests": n_requests,
-                              "b_max": self.b_max, "probe": probe, "acceptance": rates,
+                              "b_max": b_max, "probe": probe, "acceptance": rates,
                               "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
                               "explore_margin": margin, "draft_step_s": draft_step, "padding": True,
