@@ -1,7 +1,7 @@
 """A simulator of the adaptive draft budget, for trying a scheduler change in seconds before a
 57-minute `verity bench sched` run:  python -m bench.simulator [--seeds N]
 
-It runs the engine's round (worker/round.py: plan_round, run_round) with stand-in decoders and a
+It runs the old engine's round (bench/rounds.py: plan_round, run_round) with stand-in decoders and a
 simulated clock. A round costs the median that a table measured on this project's
 CPU gives for its requests and deepest draft (from `verity bench sched --decision-log`), times
 per-round noise and the machine's slow spells; the controlled draft's rule decides acceptance
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from worker import scheduler as S
-from worker.round import (CATCH_UP_LAG, CycleReport, Paid, Row, RoundInput, RoundReport, RowState, SetApart, joint_group,
-                          plan_round, run_round)
+from bench.rounds import Row, joint_group, plan_round, run_round
+from worker.round import CATCH_UP_LAG, CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
 
 # medians (ms) by deepest draft, SmolLM2-135M with a 2-layer draft, 2-core CPU, 2026-12-01
 EMBEDDED_X1 = {0: 32.2, 1: 43.9, 2: 62.0, 3: 68.0, 4: 76.0, 5: 77.0, 6: 88.0, 7: 100.0, 8: 99.0}
@@ -114,7 +114,7 @@ class SimClock:
 
 
 class SimDecoder:
-    """A request of the controlled draft as a round's Decoder (worker/round.py): its draft is right
+    """A request of the controlled draft as a round's Decoder (bench/rounds.py): its draft is right
     by the controlled rule, and what its cycles would cost advances the clock."""
 
     def __init__(self, sc: Scenario, seed: int, clock: SimClock):
@@ -179,7 +179,7 @@ def _sim_batch(sc: Scenario, clock: SimClock):
 
 def simulate(sched: S.Scheduler, sc: Scenario, runs: int, rng: random.Random, spells: Spells,
              clock: SimClock) -> tuple[int, float]:
-    """`runs` runs of sc.requests requests through the engine's round (worker/round.py): (tokens, seconds)."""
+    """`runs` runs of sc.requests requests through the old engine's round (bench/rounds.py): (tokens, seconds)."""
     tokens, start = 0, clock.now
     batch = _sim_batch(sc, clock)
     for run in range(runs):

@@ -11,8 +11,6 @@ picked, not recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
-
 import mlx.core as mx
 
 from worker.batch.rows import Row

@@ -342,7 +342,7 @@ class BatchRunner:
         if self._last is not None and self._last[0] == ids and all(
                 _points_at(self.rows[r].pending.token, self._last[1], i) for i, r in enumerate(ids)):
             return self._last[1]  # the same rows, each pending on its place in the last plain round's tokens
-        known, lazy, sources = [], [], {}
+        known, sources = [], {}
         for i, rid in enumerate(ids):
             t = self.rows[rid].pending.token
             if isinstance(t, int):

@@ -17,7 +17,7 @@ ops, which is how the tests check it against mlx-lm's forward. The stacked weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
