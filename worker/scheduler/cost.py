@@ -227,6 +227,6 @@ def fit_feed(rows: Sequence[tuple[float, int, int]]) -> tuple[float, float]:
 
 
 def feed_pieces(tokens: int, most: int = 512) -> int:
-    """Pieces a catch-up of `tokens` is fed in (powers of two, at most `most` each:
-    worker/joint/draft.py's pow2_pieces)."""
+    """Pieces a catch-up of `tokens` was fed in by the engine before the batch (powers of two, at
+    most `most` each), as logged decisions price it; the batch feeds a catch-up in one piece."""
     return tokens // most + bin(tokens % most).count("1")

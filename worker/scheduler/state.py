@@ -228,7 +228,8 @@ class Scheduler:
         """What the pipelined plain rounds that restart a pipeline cost over steady ones: the
         start's median and PIPELINE_WARM_ROUNDS - 1 warm-up rounds' median, less a plain round each.
         The start computes the next round's forward too; where drafting again takes that forward's
-        token (JointDecoder.take_ahead), it gives back a plain round less the wait for it."""
+        token (the engine before the batch), it gives back a plain round less the wait for it. The
+        batch reports none of these rounds apart: 0 there."""
         plain = estimate(table, n, 0, 0, counts)
         if plain is None:
             return 0.0
