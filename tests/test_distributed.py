@@ -117,7 +117,8 @@ async def test_two_ranks_serve_what_one_process_serves_baseline_and_joint(arch, 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     target = tiny_model_dir(tmp_path_factory, "llama", seed=0)
-    s = Stack(str(target), "--ranks", "2", "--max-active", "2").start()  # with prefix reuse
+    # with prefix reuse; the request defaults greedy (test_every_rank_samples_with_the_servers_defaults)
+    s = Stack(str(target), "--ranks", "2", "--max-active", "2", "--temperature", "0").start()
     yield s
     s.stop()
 
@@ -169,6 +170,22 @@ def test_metrics_and_the_monitor_show_every_rank(group):
     console.print(render(mon))
     text = console.export_text()
     assert all(re.search(rf"rank {rank}\s+{pid}\s+up", text) for rank, pid in pids.items()), text
+
+
+async def test_every_rank_samples_with_the_servers_defaults(group, tmp_path_factory):
+    """The group runs with --temperature 0: a request that omits `temperature` is greedy on every
+    rank. A rank whose engine lacked the defaults would sample at temperature 1, emit other tokens
+    than rank 0 and stop the group (its lockstep checksum)."""
+    body = chat("why is the sky blue")
+    del body["temperature"]
+    status, r = await post(group.url, body)
+    assert status == 200, r
+    want = reference(tiny_model_dir(tmp_path_factory, "llama", seed=0), [chat("why is the sky blue")])[0]
+    assert r["choices"][0]["message"]["content"] == want.text or min(want.gaps) < NEAR_TIE
+    assert group.health()[1]["worker_restarts"] == 0
+    with urllib.request.urlopen(group.url + "/v1/verity/info") as info:
+        defaults = json.load(info)["defaults"]
+    assert defaults["temperature"] == 0 and defaults["source"].startswith("flags"), defaults
 
 
 async def test_a_killed_rank_takes_the_group_down_and_it_restarts_whole(group):

@@ -275,13 +275,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         except PairingError as e:
             log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
             return 3
-    max_active = args.max_active or memory.default_max_active()
-    config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
-                          draft_budget=args.draft_budget, recovery=args.recovery,
-                          decision_log=args.decision_log, kv_budget=args.kv_budget,
-                          prefill_step=args.prefill_step or memory.default_prefill_step(),
-                          defaults=sampling_defaults(args))
-    engine = Engine(lm, config, draft)
+    engine = build_engine(args, lm, draft)
     engine.warmup()
     if args.prefix_cache:
         engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
@@ -289,6 +283,26 @@ def run_worker(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
     return proc.run()
+
+
+def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> EngineConfig:
+    """The engine's configuration from the worker's flags (request defaults included), the same
+    for the worker and for every rank of a distributed group; `log_decisions`: this process
+    writes --decision-log (a group's rank 0 alone)."""
+    max_active = args.max_active or memory.default_max_active()
+    return EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
+                        draft_budget=args.draft_budget, recovery=args.recovery,
+                        decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
+                        prefill_step=args.prefill_step or memory.default_prefill_step(),
+                        defaults=sampling_defaults(args))
+
+
+def build_engine(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],
+                 make: Callable[[LoadedModel, EngineConfig, Optional[LoadedModel]], Engine] = Engine,
+                 log_decisions: bool = True) -> Engine:
+    """The one engine builder of the worker and of every rank: `make` is the engine's kind
+    (a rank's leader or follower, bound to its link)."""
+    return make(lm, engine_config(args, log_decisions), draft)
 
 
 def sampling_defaults(args: argparse.Namespace) -> m.SamplingDefaults:

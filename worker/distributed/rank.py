@@ -19,10 +19,9 @@ from protocol import messages as m, runtime
 from worker.distributed.link import GroupBroken, Link, Watchdog
 from worker.distributed.lockstep import FollowerEngine, LeaderEngine
 from worker.distributed.shard import ShardError, shard_model
-from worker import memory
 from worker.cache_client import CacheClient
 from worker.distributed.reuse import FollowerClient, LeaderClient
-from worker.engine import EngineConfig, cache_identity
+from worker.engine import cache_identity
 from worker.loader import PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
 from worker.state.snapshots import SnapshotStore
@@ -64,6 +63,8 @@ def gather(group: mx.distributed.Group, mine: RankInfo) -> list[RankInfo]:
 
 
 def run_rank(argv: list[str]) -> int:
+    from worker.proc import build_engine
+
     ours, args = parse_args(argv)
     group = mx.distributed.init(strict=True, backend=ours.backend)
     rank = group.rank()
@@ -77,12 +78,8 @@ def run_rank(argv: list[str]) -> int:
         log.error("cannot serve %s as a group: %s", args.model, e)
         return 3
     link = Link(group)
-    max_active = args.max_active or memory.default_max_active()
-    config = EngineConfig(max_active=max_active, max_waiting=args.queue_size + max_active,
-                          draft_budget=args.draft_budget, recovery=args.recovery,
-                          decision_log=args.decision_log if rank == 0 else None, kv_budget=args.kv_budget,
-                          prefill_step=args.prefill_step or memory.default_prefill_step())
-    engine = (LeaderEngine if rank == 0 else FollowerEngine)(lm, config, draft, link)
+    kind = LeaderEngine if rank == 0 else FollowerEngine
+    engine = build_engine(args, lm, draft, lambda lm, config, draft: kind(lm, config, draft, link), log_decisions=rank == 0)
     ranks = gather(group, RankInfo(rank, os.getpid(), socket.gethostname(), engine.kv_budget))
     engine.kv_budget = min(r.kv_budget for r in ranks)  # admission must be the same on every rank
     Watchdog(link, ours.rank_timeout_s).start()
