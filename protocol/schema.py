@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Literal, Optional
 
@@ -18,6 +19,12 @@ NULL_ONLY = {"audio": None, "modalities": None, "prediction": None, "reasoning_e
 UNSUPPORTED_FIELDS = frozenset(NULL_ONLY)
 SERVED_PARTS = ("text", "refusal")  # content part types; image, audio and file parts are refused by name
 MAX_STOP_STRINGS = 4
+# JSON nesting read at most: checked on the raw bytes before anything recursive runs (msgspec's
+# decoder and every later walk recurse: 3,000 levels overflowed Python's stack, a 500). A schema's
+# level takes two (an object, its `properties`), so 128 leaves some 60 schema levels.
+MAX_JSON_DEPTH = 128
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the four, to delete
 
 Endpoint = Literal["chat", "completion"]
 _decoder = msgspec.json.Decoder(GenerateRequest)
@@ -39,6 +46,7 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
         raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
+    check_depth(body)
     try:
         req = _decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -50,6 +58,24 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     except OverflowError:
         raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
     return check_request(req, endpoint)
+
+
+def json_depth(body: bytes) -> int:
+    """How deep a JSON text nests (its strings skipped), without recursion: its brackets as +1
+    and -1, summed as they come, at C speed."""
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _BRACKETS)
+    steps = brackets.translate(bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"))
+    return max(itertools.accumulate(memoryview(steps).cast("b")), default=0)
+
+
+def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """A 400 naming the limit for a body nested deeper than `limit` (few brackets: nothing to scan)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return
+    depth = json_depth(body)
+    if depth > limit:
+        raise RequestInvalid(f"the request body nests {depth} levels deep; this server reads JSON nested at most "
+                             f"{limit} levels", code="json_too_deep")
 
 
 def _validation_error(text: str) -> RequestInvalid:

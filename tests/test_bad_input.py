@@ -30,7 +30,7 @@ from conftest import FULL
 from gateway import openapi as shapes
 from protocol import codec, messages as m
 from protocol.schema import RequestInvalid, parse_request
-from stack import Stack
+from stack import Stack, until
 from test_protocol import METRICS, REQ, ROUND_TRIPS
 
 KEY = "fuzz-key-456"
@@ -182,7 +182,7 @@ BODIES = [
     ("JSON null", b"null", 400, "Expected `object`"),
     ("JSON string", b'"hello"', 400, "Expected `object`"),
     ("truncated JSON", json.dumps(CHAT).encode()[:-3], 400, "not valid JSON"),
-    ("100k nested arrays", b'{"messages": ' + b"[" * 30000 + b"]" * 30000 + b"}", 400, "messages"),
+    ("100k nested arrays", b'{"messages": ' + b"[" * 30000 + b"]" * 30000 + b"}", 400, "nested at most 128"),
     ("number too large", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}', 400, "max_tokens"),
     ("integer past int64", b'{"messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551616}', 400, "seed"),
     ("NaN", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "not valid JSON"),
@@ -198,6 +198,36 @@ async def test_hostile_bodies_get_openai_errors(served, name, body, status, word
     assert status_of(raw) == status, raw[:300]
     err = json.loads(payload)["error"]
     assert words in err["message"] and err["code"], err
+
+
+def deep_schema(depth: int) -> bytes:
+    """A chat body whose response_format schema nests `depth` objects (3,000: 18 KB)."""
+    return (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+            b'"json_schema": {"name": "x", "schema": ' + b'{"x":' * depth + b"{}" + b"}" * depth + b"}}}")
+
+
+async def test_a_deep_schema_is_one_400_and_one_log_line(served, reliability):
+    """Parsing recurses (msgspec's decoder, then every walk of the schema): at 3,000 levels it overflowed
+    Python's stack, a 500 with a traceback. The raw body's depth is measured first, without recursion."""
+    seen = {}
+    async with aiohttp.ClientSession() as http:
+        for depth in (300, 3000):
+            async with http.post(served.url + "/v1/chat/completions", data=deep_schema(depth),
+                                 headers={**AUTH, "Content-Type": "application/json"}) as r:
+                err, rid = (await r.json())["error"], r.headers["X-Request-Id"]
+                assert r.status == 400 and err["code"] == "json_too_deep" and "at most 128 levels" in err["message"], err
+                seen[depth] = (len(deep_schema(depth)), rid)
+    for _, rid in seen.values():
+        await until(lambda: rid in served.log(), 10, "the refusal's log line")
+        assert sum(rid in line for line in served.log().splitlines()) == 1
+    assert "Traceback" not in served.log() and "RecursionError" not in served.log()
+    reliability.record(
+        "bad_input", "A schema nested 3,000 objects deep",
+        "response_format schemas nested 300 and 3,000 objects deep. The body's JSON depth is measured on the raw "
+        "bytes (strings skipped, brackets summed) before anything recursive reads it; past 128 levels it is a 400 "
+        "naming the limit, one log line, no traceback.",
+        expected="400 json_too_deep naming the limit; one log line each; no traceback",
+        bodies={f"depth {d}": f"{size} bytes, 400" for d, (size, _) in seen.items()}, lost=0, hung=0, leaked="none")
 
 
 async def test_text_with_control_characters_is_served(served):
