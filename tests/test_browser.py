@@ -296,6 +296,60 @@ def test_errors_read_as_words_with_retry_and_send_waits_for_the_server(page):
     assert last.locator("button:text('Retry')").is_enabled()
 
 
+BROKEN = {"format": "verity.conversations", "version": 1, "conversations": [
+    {"title": "Broken", "named": True, "settings": {"mode": "warp", "temperature": "hot", "max_tokens": -3, "system": 7},
+     "turns": [{"user": "q1", "assistant": "a1", "mode": "baseline", "metrics": {}, "finish": "stop"},
+               {"user": 42, "assistant": "lost"}, "not a turn",
+               {"user": "q3", "assistant": 5, "metrics": {"decode_tps": "fast"}, "finish": "stop"}]},
+    "not a conversation", {"title": "no turns", "turns": "nope"}]}
+
+
+def usable(page) -> None:
+    """The page answers: Send streams an answer into the active conversation, the sidebar lists it."""
+    before = page.locator(".turn").count()
+    ask(page, "still there?")
+    assert page.locator(".turn").count() == before + 1 and page.locator(".turn:last-child .error").count() == 0
+    assert page.locator("#conversations li").count() >= 1
+
+
+def test_broken_conversations_are_read_field_by_field(page, reliability):
+    """A conversation file whose turn has `metrics: {}` left the page with an empty sidebar and a
+    dead Send button, after reloads too. Every field is now checked on the way in: what cannot be
+    read is left out with a notice, and unreadable storage is set aside, never fatal."""
+    page.set_input_files("#import", files=[{"name": "broken.json", "mimeType": "application/json",
+                                            "buffer": json.dumps(BROKEN).encode()}])
+    page.wait_for_selector("#toast:has-text('Left out what could not be read')")
+    notice = page.text_content("#toast")
+    assert "2 unreadable metrics records" in notice and "2 unreadable turns" in notice and "unreadable conversation" in notice
+    page.wait_for_selector("#conversations [aria-current=true]:text('Broken')")
+    assert page.locator(".turn .bubble.user").all_text_contents() == ["q1", "q3"]
+    assert page.input_value("#max-tokens") == "256" and page.locator(".turn [data-metric]").count() == 0
+    usable(page)
+    page.reload()  # what was kept is the checked copy
+    page.wait_for_selector("#conversations [aria-current=true]:text('Broken')")
+    usable(page)
+    # a store broken in place (another tab, an old version, a hand edit): its turn's metrics {} again
+    page.evaluate("""() => { const list = JSON.parse(localStorage.getItem('verity.conversations'));
+        list[0].turns[0].metrics = {}; localStorage.setItem('verity.conversations', JSON.stringify(list)); }""")
+    page.reload()
+    page.wait_for_selector("#toast:has-text('1 unreadable metrics record')")
+    usable(page)
+    # a store that is not JSON at all: set aside, the page starts afresh
+    page.evaluate("() => localStorage.setItem('verity.conversations', '[{not json')")
+    page.reload()
+    page.wait_for_selector("#toast:has-text('set aside')")
+    assert page.evaluate("localStorage.getItem('verity.conversations.unreadable')") == "[{not json"
+    usable(page)
+    assert stored(page)[0]["turns"][-1]["user"] == "still there?"
+    reliability.record(
+        "bad_input", "Broken conversations in the web UI",
+        "In Chromium: an export file with a turn whose metrics are {} (and a numeric question, a non-object turn, "
+        "bad settings, a non-conversation); then the same metrics written into the browser's storage; then storage "
+        "that is not JSON. After each (and a reload) a question is sent and answered.",
+        expected="what cannot be read is left out with a visible notice; the page keeps working",
+        notice=notice, lost=0, hung=0, leaked="none")
+
+
 def label(r: int, j: int) -> str:
     return f"{chr(65 + r)}{j}"
 

@@ -4,8 +4,8 @@ import { api, askForKey, hasKey } from "./api.js";
 import { initChat, setServerState } from "./chat.js";
 import { initAllocation } from "./allocation.js";
 import { applyInfo, initSettings } from "./settings.js";
-import { initSidebar } from "./sidebar.js";
-import { $ } from "./ui.js";
+import { initSidebar, showNotices } from "./sidebar.js";
+import { $, toast } from "./ui.js";
 
 const VIEWS = ["chat", "allocation"];
 
@@ -61,12 +61,23 @@ async function loadInfo() {
   }
 }
 
+// Each part starts on its own: one that fails leaves the others working, and says so.
+function start(name, init) {
+  try {
+    init();
+  } catch (e) {
+    console.error(e);
+    toast(`Part of the page (${name}) failed to start: ${e.message}`, null, 20);
+  }
+}
+
 window.addEventListener("hashchange", showView);
 showView();
-initSettings();
-initChat();
-initSidebar();
-initAllocation();
+start("settings", initSettings);
+start("chat", initChat);
+start("conversations", initSidebar);
+start("allocation", initAllocation);
+showNotices();
 $("key-button").addEventListener("click", () => askForKey("Enter the API key to use from now on."));
 pollHealth();
 setInterval(pollHealth, 3000);

@@ -99,9 +99,19 @@ function renderTurn(turn, i) {
   return li;
 }
 
+// A turn that cannot be drawn says so in its place; the others, and the page, go on.
+function safeTurn(turn, i) {
+  try {
+    return renderTurn(turn, i);
+  } catch (e) {
+    console.error(e);
+    return el("li", { className: "turn" }, el("p", { className: "error", textContent: `This turn could not be shown: ${e.message}` }));
+  }
+}
+
 export function renderAll() {
   const turns = conv().turns;
-  $("turns").replaceChildren(...turns.map(renderTurn));
+  $("turns").replaceChildren(...turns.map(safeTurn));
   $("empty").hidden = turns.length > 0;
   document.body.classList.toggle("busy", isBusy());
 }
@@ -249,7 +259,6 @@ export function showConversation() {
 }
 
 export function initChat() {
-  showConversation();
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("prompt").value;
@@ -278,4 +287,5 @@ export function initChat() {
     const t = $("turns");
     following = t.scrollHeight - t.scrollTop - t.clientHeight < 40;
   });
+  showConversation(); // after the controls work, whatever the conversation holds
 }

@@ -77,10 +77,11 @@ function download(name, text) {
 
 async function importFile(file) {
   try {
-    const list = parseImport(await file.text());
+    const { list, skipped } = parseImport(await file.text());
     store.list.unshift(...list);
     switchTo(list[0].id);
-    toast(`Imported ${list.length} conversation${list.length > 1 ? "s" : ""}.`);
+    const left = skipped.any ? ` Left out what could not be read: ${skipped}.` : "";
+    toast(`Imported ${list.length} conversation${list.length > 1 ? "s" : ""}.${left}`, null, skipped.any ? 20 : 8);
   } catch (e) {
     toast(`Import failed: ${e.message}`);
   }
@@ -94,6 +95,11 @@ async function clear() {
   c.turns = [];
   changed();
   showConversation();
+}
+
+// What reading or saving the store left out or set aside, shown once (a toast stays 20 s).
+export function showNotices() {
+  if (store.notices.length) toast(store.notices.splice(0).join(" "), null, 20);
 }
 
 export function initSidebar() {
@@ -114,6 +120,7 @@ export function initSidebar() {
   });
   $("clear-chat").addEventListener("click", clear);
   document.addEventListener("conversations-changed", renderList);
+  document.addEventListener("store-notice", showNotices);
   if (phone()) {
     for (const id of ["conversations-panel", "settings-panel"]) $(id).open = false;
   }
