@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
 import msgspec
 
-from gateway.tools import ToolCallStream, split_whole
+from gateway.tools import Dropped, ToolCallStream, split_whole_dropping
 from protocol import messages as m
+
+log = logging.getLogger("verity.gateway")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -56,10 +59,11 @@ class Shaper:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             if self.calls is not None:
-                content, calls = split_whole(text)
+                content, calls, dropped = split_whole_dropping(text, finished.finish_reason == "length")
+                self._log_dropped(dropped, finished.finish_reason)
+                choice["message"]["content"] = content  # never a block's markup
                 if calls:
-                    choice["message"] = {"role": "assistant", "content": content,
-                                         "tool_calls": [c.as_dict() for c in calls]}
+                    choice["message"]["tool_calls"] = [c.as_dict() for c in calls]
                     choice["finish_reason"] = calls_finish(choice["finish_reason"])
         else:
             choice["text"] = text
@@ -73,7 +77,12 @@ class Shaper:
         if not (ev.text or ev.logprobs):
             return None
         drafted, self._drafted = self._drafted, []
-        return self.chunk(text=ev.text, logprobs=ev.logprobs, drafted=drafted)
+        out = self.chunk(text=ev.text, logprobs=ev.logprobs, drafted=drafted)
+        choice = out["choices"][0]
+        if self.chat and not choice["delta"] and "logprobs" not in choice:  # all held back (an open tool call)
+            self._drafted = drafted + self._drafted
+            return None
+        return out
 
     def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None,
               logprobs: Optional[list[m.TokenLogprob]] = None, drafted: Optional[list[bool]] = None) -> dict:
@@ -85,7 +94,7 @@ class Shaper:
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
             if self.calls is not None and (text or finished):
-                self._calls_delta(delta, text or "", finished is not None)
+                self._calls_delta(delta, text or "", finished)
                 if finished is not None and self.calls.calls:
                     choice["finish_reason"] = calls_finish(choice["finish_reason"])
             elif text is not None:
@@ -100,15 +109,25 @@ class Shaper:
             out["verity"] = {"drafted": drafted}
         return out
 
-    def _calls_delta(self, delta: dict, text: str, last: bool) -> None:
-        """Content and whole tool calls out of streamed text (the last chunk flushes)."""
-        splits = [self.calls.feed(text)] + ([self.calls.flush()] if last else [])
+    def _calls_delta(self, delta: dict, text: str, finished: Optional[m.Finished]) -> None:
+        """Content and tool-call pieces out of streamed text (the last chunk flushes)."""
+        cut = finished is not None and finished.finish_reason == "length"
+        splits = [self.calls.feed(text)] + ([self.calls.flush(cut)] if finished is not None else [])
         content = "".join(s.content for s in splits if s.content)
-        calls = [c.as_dict(streamed=True) for s in splits for c in s.calls]
+        pieces = [p.as_dict() for s in splits for p in s.pieces]
+        if finished is not None:
+            self._log_dropped(self.calls.dropped, finished.finish_reason)
         if content:
             delta["content"] = content
-        if calls:
-            delta["tool_calls"] = calls
+        if pieces:
+            delta["tool_calls"] = pieces
+
+    def _log_dropped(self, dropped: list[Dropped], reason: str) -> None:
+        """One line per block that was not a call: it never reaches `content`."""
+        for d in dropped:
+            what = f"`{d.name}`" if d.name else "an unnamed call"
+            why = "whose JSON does not parse" if d.closed else f"cut before its end (finish_reason {reason})"
+            log.warning("[%s] choice %d: dropped a tool call of %s %s", self.id, self.index, what, why)
 
     def _logprobs(self, lps: list[m.TokenLogprob], offset: int) -> dict:
         """Chat's `{"content": [...]}`, or the legacy completion shape (its offsets from `offset`)."""

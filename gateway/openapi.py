@@ -114,13 +114,19 @@ class Completion(Struct):
     metrics: m.RequestMetrics
 
 
-class ChunkToolCall(Struct):
-    """A streamed tool call: sent whole, in one delta, once its block is complete."""
+class ChunkFunction(Struct, omit_defaults=True):
+    name: Optional[str] = None  # in a call's first piece
+    arguments: str = ""  # a piece of the arguments' JSON text; the pieces add up to it
+
+
+class ChunkToolCall(Struct, omit_defaults=True):
+    """A piece of a streamed tool call: its first carries `id`, `type` and the function's name
+    (arguments ""), the next ones pieces of its arguments as they are generated."""
 
     index: int
-    id: str
-    type: Literal["function"]
-    function: m.FunctionCall
+    function: ChunkFunction
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
 
 
 class ChunkDelta(Struct, omit_defaults=True):

@@ -79,7 +79,8 @@ def test_sdk_tools_round_trip(client, model):
     first = client.chat.completions.create(model=model, messages=ask("weather in Paris?"), tools=tools,
                                            tool_choice="required", temperature=0, max_tokens=MAX_TOKENS)
     choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # a random model may call again and again until max_tokens ("length"): the whole calls stand, no markup
+    assert choice.finish_reason in ("tool_calls", "length") and choice.message.content is None
     calls = choice.message.tool_calls
     assert calls and all(c.function.name == "Weather" and c.id for c in calls)
     Weather.model_validate_json(calls[0].function.arguments)
@@ -139,7 +140,8 @@ def test_tool_responses_fit_the_openapi_shapes(stack, model):
         chunks = [msgspec.convert(json.loads(line[6:]), shapes.ChatCompletionChunk)
                   for line in r.iter_lines() if line.startswith("data: {")]
     assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
-    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) == len(whole.choices[0].message.tool_calls)
+    pieces = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert sum(d.id is not None for d in pieces) == len(whole.choices[0].message.tool_calls)
 
 
 # ---- langchain-openai ----
@@ -183,7 +185,7 @@ def test_litellm_top_k_tools_and_response_format(stack, model):
     assert plain.choices[0].message.content is not None
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}]
     called = litellm.completion(**common, tools=tools, tool_choice="required")
-    assert called.choices[0].finish_reason == "tool_calls"
+    assert called.choices[0].finish_reason in ("tool_calls", "length")  # a random model may repeat its call
     Weather.model_validate_json(called.choices[0].message.tool_calls[0].function.arguments)
     shaped = litellm.completion(**common, response_format=Person)
     Person.model_validate_json(shaped.choices[0].message.content)

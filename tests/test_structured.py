@@ -182,8 +182,8 @@ def test_tool_call_stream_splits_at_any_chunking():
         calls = [c for p in splits for c in p.calls]
         assert content.strip() == "Sure." and [c.name for c in calls] == ["f", "g"]
         assert [json.loads(c.arguments) for c in calls] == [{"a": 1}, {}] and [c.index for c in calls] == [0, 1]
-    assert split_whole("a <tool_call> not json </tool_call>") == ("a <tool_call> not json </tool_call>", [])
-    assert split_whole("x <tool_ca") == ("x <tool_ca", [])
+    assert split_whole("a <tool_call> not json </tool_call>") == ("a ", [])  # markup is never content
+    assert split_whole("x <tool_ca") == ("x <tool_ca", []) and split_whole("x <tool_ca", cut=True) == ("x ", [])
 
 
 NATIVE_TEMPLATE = (  # Qwen-like: renders `tools` itself and calls in the json_tools format
@@ -220,18 +220,26 @@ def test_a_template_that_renders_tools_gets_them(tiny_llama, tmp_path):
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
 
 
-def test_calls_cut_by_max_tokens_end_with_length():
+def test_calls_cut_by_max_tokens_end_with_length(caplog):
+    """A call cut by max_tokens is dropped (named in the log), never content; the whole calls
+    stand. Streamed, each call's arguments come in pieces that add up to the whole call's."""
     from gateway.openai_format import Shaper
 
-    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": [1, "x}"]}}\n</tool_call><tool_call>\n{"name": "g", "argu'
     done = {r: m.Finished("x", r, m.RequestMetrics()) for r in ("stop", "length")}
     for reason, expected in (("stop", "tool_calls"), ("length", "length")):
-        choice = Shaper("x", "m", True, tool_calls=True).whole(text, done[reason])["choices"][0]
-        assert choice["finish_reason"] == expected and [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+        whole = Shaper("x", "m", True, tool_calls=True).whole(text, done[reason])["choices"][0]
+        assert whole["finish_reason"] == expected and whole["message"]["content"] is None
+        assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["f"]
         shaper = Shaper("x", "m", True, tool_calls=True)
-        chunks = [shaper.chunk(text=text[:30]), shaper.chunk(text=text[30:]), shaper.chunk(finished=done[reason])]
+        chunks = [shaper.chunk(text=text[i : i + 4]) for i in range(0, len(text), 4)] + [shaper.chunk(finished=done[reason])]
         assert chunks[-1]["choices"][0]["finish_reason"] == expected
-        assert [d["function"]["name"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])] == ["f"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        pieces = [d for x in deltas for d in x.get("tool_calls", [])]
+        assert [d["function"]["name"] for d in pieces if "name" in d["function"]] == ["f"] and pieces[0]["id"]
+        assert "".join(d["function"]["arguments"] for d in pieces) == whole["message"]["tool_calls"][0]["function"]["arguments"]
+        assert len(pieces) > 3 and not any("content" in x for x in deltas)
+    assert "dropped a tool call of `g` cut before its end (finish_reason length)" in caplog.text
 
 
 KEYWORDS = ["type", "properties", "items", "enum", "const", "required", "anyOf", "oneOf", "allOf", "not", "$ref",
