@@ -22,10 +22,13 @@ from gateway.openapi import describe
 from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens, top_logprobs
-from protocol.tool_rules import tools_offered
+from protocol.tool_rules import needs_grammar, tools_offered
 
 log = logging.getLogger("verity.gateway")
 FIRST_EVENT_TIMEOUT_S = 2.0  # wait this long for the worker's verdict before streaming headers
+# a request with a grammar the worker has not compiled gets its verdict once compiled (worker/grammar.py
+# LIMITS bound that work; a pool may hold a few ahead of it): its 400 comes before any header
+GRAMMAR_VERDICT_S = 30.0
 RETRY_AFTER_S = 1
 WRITE_GRACE_S = 1.0  # after the time limit, how long the error event may take to reach the client
 STALLED_WRITE_BYTES = 1 << 16  # unsent bytes queued past this (asyncio's pause mark): the client reads nothing
@@ -189,7 +192,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         try:
             async with asyncio.timeout_at(deadline):
-                first = await _first_event(t)
+                first = await _first_event(t, req)
                 if isinstance(first, m.Error):
                     return _refuse(rid, first.status, first.message, first.code, first.param)
                 if not req.stream:
@@ -225,8 +228,9 @@ async def _next_event(t: Tracked, within_s: float):
         return None
 
 
-async def _first_event(t: Tracked):
-    return await _next_event(t, FIRST_EVENT_TIMEOUT_S)
+async def _first_event(t: Tracked, req: m.GenerateRequest):
+    """The worker's verdict (Queued or an Error), or None when it is slow to come."""
+    return await _next_event(t, GRAMMAR_VERDICT_S if needs_grammar(req) else FIRST_EVENT_TIMEOUT_S)
 
 
 async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
@@ -322,7 +326,7 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
     resp = None
     try:
         async with asyncio.timeout_at(deadline):
-            firsts = [await _first_event(t) for t in tracked]
+            firsts = [await _first_event(t, req) for t in tracked]
             refused = next((e for e in firsts if isinstance(e, m.Error)), None)
             if refused is not None:
                 cancel()

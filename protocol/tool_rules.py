@@ -41,3 +41,11 @@ def check_tools(req: GenerateRequest, chat: bool, invalid) -> None:
 def tools_offered(req: GenerateRequest) -> bool:
     """The model is told of the request's tools, and calls in its output are parsed."""
     return bool(req.tools) and req.tool_choice != "none"
+
+
+def needs_grammar(req: GenerateRequest) -> bool:
+    """The request's output is grammar-constrained: a response_format other than text, or tools
+    with a forced call (the worker compiles its grammar before it answers Queued)."""
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    formatted = req.response_format is not None and req.response_format.type != "text"
+    return formatted or (forced and tools_offered(req))

@@ -30,6 +30,7 @@ SECTIONS = {
     "faults": "Faults survived",
     "load": "Load held",
     "bad_input": "Bad input refused",
+    "outputs": "What clients get",
     "security": "Security",
 }
 FULL = os.environ.get("VERITY_FULL") == "1"

@@ -25,7 +25,7 @@ from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutc
 from worker.batch.runner import BatchRunner, play
 from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
-from worker.grammar import Compiler, Grammar, GrammarInvalid, request_grammar
+from worker.grammar import Compiler, Grammar, GrammarInvalid
 from worker.joint.sampling import make_key_fn
 from worker.loader import LoadedModel
 from worker.sampling import SamplingInvalid, sampling_for
@@ -241,14 +241,12 @@ class Engine:
             self._release(r)
 
     def _grammar(self, req: m.GenerateRequest) -> Optional[Grammar]:
-        """The request's output grammar, checked against the served tokenizer (400 naming the schema)."""
+        """The request's output grammar, compiled against the served tokenizer (400 naming the schema
+        or the limit); worker/proc.py calls submit on its compile pool when it is not compiled yet."""
         try:
-            grammar = request_grammar(req)
-            if grammar is not None:
-                self.grammars.check(grammar)
-            return grammar
+            return self.grammars.compile(req)
         except GrammarInvalid as e:
-            raise RequestError("invalid_schema", e.message, param=e.param) from None
+            raise RequestError(e.code, e.message, param=e.param) from None
 
     def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
         """Bytes a request's caches may take: its prompt and max_tokens, within the context."""

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
 import zmq
@@ -41,6 +42,9 @@ POLL_MS = 200
 EARLY_CANCELS = 4096  # cancels remembered for jobs not yet arrived; the oldest go first
 EARLY_CANCEL_S = 120.0  # and each is forgotten after this long
 LONG_PROMPT_BYTES = 16 << 10  # ~15 ms of tokenizing (SmolLM2's tokenizer: 600 KB in 0.56 s)
+# threads that compile grammars (llguidance drops the GIL while it compiles): half the cores, at
+# most 2, so decoding keeps a core (worker/blas_threads.py leaves one for the host thread)
+GRAMMAR_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))
 
 
 class EarlyCancels:
@@ -91,6 +95,7 @@ class WorkerProc:
         self.stopping = threading.Event()
         self.early = EarlyCancels()
         self.long_jobs: queue.Queue = queue.Queue()  # jobs whose prompts take long to tokenize
+        self.compiles = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")  # jobs whose grammar is new
         self._known = threading.Lock()  # orders a job's arrival against its cancel
         token_bytes = max_token_bytes(lm.tokenizer)
         # tokens >= bytes / token_bytes; twice that leaves room for normalizers that shrink text
@@ -132,6 +137,7 @@ class WorkerProc:
             self.stopping.set()
             for t in threads:
                 t.join(timeout=2)
+            self.compiles.shutdown(wait=False, cancel_futures=True)
             if self.engine.reuse:
                 self.engine.reuse.close()
             self.ctx.term()
@@ -171,8 +177,21 @@ class WorkerProc:
             faults.on_job()
             if prompt_bytes(job.request) > LONG_PROMPT_BYTES:
                 self.long_jobs.put(job)
+            elif not self.engine.grammars.ready(job.request):  # compiled on the pool, then queued
+                self.compiles.submit(self._submit_compiled, job)
             else:
                 self.outbox.put(m.EventBatch(self.pid, [self._submit(job)]))
+
+    def _submit_compiled(self, job: m.SubmitRequest) -> None:
+        """A job whose grammar compiles first (on a pool thread): its verdict once compiled."""
+        t0 = time.perf_counter()
+        try:
+            event = self._submit(job)
+            log.info("[%s] grammar compiled for it in %.2fs on a pool thread", job.request_id, time.perf_counter() - t0)
+        except Exception as e:  # a failure here must still answer the job, or it waits forever
+            log.exception("[%s] grammar compile failed", job.request_id)
+            event = m.Error(job.request_id, "generation_failed", f"the grammar failed to compile: {e}", 500)
+        self.outbox.put(m.EventBatch(self.pid, [event]))
 
     def _long_jobs_loop(self) -> None:
         while not self.stopping.is_set():

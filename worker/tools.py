@@ -61,8 +61,8 @@ def _message(d: dict, msg: m.Message, is_native: bool) -> dict:
         if is_native:
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": f} for c, f in zip(msg.tool_calls, calls)]
         else:
-            blocks = [f"{TOOL_CALL_START}\n{json.dumps(f, ensure_ascii=False)}\n{TOOL_CALL_END}" for f in calls]
-            d["content"] = "\n".join(([d["content"]] if d["content"] else []) + blocks)
+            blocks = "".join(f"{TOOL_CALL_START}\n{json.dumps(f, ensure_ascii=False)}\n{TOOL_CALL_END}" for f in calls)
+            d["content"] = "\n".join(([d["content"]] if d["content"] else []) + [blocks])
     if msg.role == "tool":
         if is_native:
             d["tool_call_id"] = msg.tool_call_id
@@ -78,11 +78,17 @@ def _arguments(text: str):
         return text
 
 
-def call_grammar(req: m.GenerateRequest, check: SchemaCheck, answer: Optional[dict] = None) -> Optional[str]:
+def call_grammar(req: m.GenerateRequest, check: SchemaCheck, answer: Optional[dict] = None,
+                 native: bool = False) -> Optional[str]:
     """A lark grammar (llguidance's, with inline %json) of the calls the request may make:
     "required" one call of any tool (several when parallel_tool_calls is not false), a named
     function exactly one call of it; "auto" with an `answer` (response_format's JSON grammar
-    options and schema): those calls or that answer. None when the text is free."""
+    options and schema): those calls or that answer. None when the text is free.
+
+    After every whole call the model may end (EOS is allowed there). Calls follow each other
+    with nothing between them in the generic format: a newline there, which a model that wants
+    to go on talking picks first, could only open another call (the embedded model then repeated
+    its call until max_tokens); a `native` template's model writes its calls a line each."""
     choice = req.tool_choice
     forced = choice == "required" or isinstance(choice, m.NamedToolChoice)
     if not tools_offered(req) or not (forced or answer is not None):
@@ -98,6 +104,7 @@ def call_grammar(req: m.GenerateRequest, check: SchemaCheck, answer: Optional[di
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = json.dumps({**schema, "x-guidance": INLINE_OPTIONS})
-    calls = 'calls: call ("\\n" call)*' if not named and req.parallel_tool_calls is not False else "calls: call"
+    between = '"\\n" ' if native else ""
+    calls = f"calls: call ({between}call)*" if not named and req.parallel_tool_calls is not False else "calls: call"
     start = "start: calls" if forced else f"start: calls | answer\nanswer: %json {json.dumps(answer)}"
     return f'{start}\n{calls}\ncall: "{TOOL_CALL_START}\\n" %json {body} "\\n{TOOL_CALL_END}"\n'
