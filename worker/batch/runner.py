@@ -21,6 +21,7 @@ from worker.batch import drafts as dr
 from worker.batch import select
 from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advance
 from worker.batch.slotbatch import SlotBatch
+from worker.prefill_cost import PrefillCost, default_bound_s
 from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
 from worker.sampling import chosen as chosen_of
 from worker.state.checkpoint import install_recording
@@ -81,6 +82,7 @@ class BatchRunner:
         self.target = SlotBatch(target)
         self.draft = SlotBatch(draft, draft_forward) if draft is not None else None
         self.prefill_step, self.recovery = prefill_step, recovery
+        self.cost = PrefillCost(prefill_step, default_bound_s())  # each round's chunk by its cost (worker/prefill_cost.py)
         self.rows: dict[str, Row] = {}
         self._last: Optional[tuple[list[str], mx.array]] = None  # the last plain round's rows and tokens
         self._drafting_rounds = 0
@@ -152,6 +154,8 @@ class BatchRunner:
         rows = [r for r in self.rows.values() if r.phase == Phase.PREFILL]
         if not rows:
             return 0.0
+        depth = max(r.fed for r in rows)
+        self.prefill_step = self.cost.chunk_tokens(depth, len(rows))  # at most the configured chunk, by its cost
         t0 = time.perf_counter()
         chunks = {r.id: self._chunk(r) for r in rows}
         self._feed(self.target, chunks, {r.id: r.fed for r in rows})
@@ -171,7 +175,9 @@ class BatchRunner:
             if r.fed == len(r.prompt) - 1:
                 r.phase = advance(r.phase, Phase.DECODE)
                 r.pending = Pending(r.prompt[-1], emit=False)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.cost.observe(depth, max(len(c) for c in chunks.values()), len(rows), seconds)
+        return seconds
 
     def _feed(self, batch: SlotBatch, chunks: dict[str, list[int]], fed: dict[str, int]) -> None:
         """One forward of the rows' chunks (rows of none sit it out) in the batch's rows after
