@@ -95,6 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--keepalive-s", type=float, default=5.0)
+    p.add_argument("--stall-s", type=float, default=10.0, help="a stream whose client reads nothing this long is cut")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a request not ended this long after admission is cancelled and answered with 504 (0: no limit)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
@@ -200,6 +201,7 @@ class Supervisor:
                                     "--port", str(a.port), *max_active,
                                     "--queue-size", str(a.queue_size), "--max-tokens-cap", str(a.max_tokens_cap),
                                     "--max-body-bytes", str(a.max_body_bytes), "--keepalive-s", str(a.keepalive_s),
+                                    "--stall-s", str(a.stall_s),
                                     "--drain-timeout-s", str(a.drain_timeout_s),
                                     "--request-timeout-s", str(a.request_timeout_s),
                                     "--heartbeat-timeout-s", str(a.heartbeat_timeout_s),

@@ -19,6 +19,7 @@ from gateway.guard import Guard, Refused, cors_headers
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
 from gateway.openapi import describe
+from gateway.sse import STALL_BYTES, ClientStalled, SseWriter
 from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens, top_logprobs
@@ -46,6 +47,8 @@ class GatewayConfig:
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20
     keepalive_s: float = 5.0
+    stall_s: float = 10.0  # a stream whose client reads nothing this long is cut (gateway/sse.py)
+    stall_bytes: int = STALL_BYTES  # or that leaves this many bytes unread
     drain_timeout_s: float = 30.0
     request_timeout_s: Optional[float] = 600.0  # admission to the last byte; None or 0: no limit
     allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the loopback ones
@@ -250,41 +253,39 @@ async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
 
 async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper, first,
                   deadline: Optional[float]) -> web.StreamResponse:
-    """The SSE stream. At the time limit (also while a client that stops reading blocks a write)
-    the request is cancelled and the stream ends with an error event and [DONE]; when even that
-    cannot be written within WRITE_GRACE_S, the connection is dropped. No write waits unbounded."""
+    """The SSE stream. A client that stops reading is cut (gateway/sse.py). At the time limit the
+    request is cancelled and the stream ends with an error event and [DONE]; when even that cannot
+    be written within WRITE_GRACE_S, the connection is dropped. No write waits unbounded."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-Id": t.id})
     await resp.prepare(request)
+    out = SseWriter(request, resp, gw.config.stall_s, gw.config.stall_bytes)
     include_usage = bool(t.submit.request.stream_options and t.submit.request.stream_options.include_usage)
     ended = False  # the request's last event was taken (nothing left to cancel)
     try:
         async with asyncio.timeout_at(deadline):
             if shaper.chat:
-                await _sse(resp, shaper.chunk(role=True, text=""))
+                await out.event(shaper.chunk(role=True, text=""))
             ev = first
             while True:
                 if ev is None:
                     ev = await _next_event(t, gw.config.keepalive_s)
                     if ev is None:
-                        await resp.write(b": keep-alive\n\n")
+                        await out.keepalive()
                         continue
                 if isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
-                    await _sse(resp, chunk)
-                elif isinstance(ev, m.Finished):
+                    await out.event(chunk)
+                elif isinstance(ev, (m.Finished, m.Error)):
                     ended = True
-                    await _sse(resp, shaper.chunk(finished=ev))
-                    if include_usage:
-                        await _sse(resp, shaper.usage_chunk(ev))
-                    break
-                elif isinstance(ev, m.Error):
-                    ended = True
-                    await _sse(resp, error_body(ev.status, ev.message, ev.code, ev.param))
+                    for obj in _last_events(shaper, ev, include_usage):
+                        await out.event(obj)
                     break
                 ev = None
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await out.done()
             return resp
+    except ClientStalled as e:
+        _cut(gw, t.id, [] if ended else [t], out, e)
+        return resp
     except TimeoutError:
         pass
     if not ended:
@@ -302,9 +303,26 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
             pass
     # the client reads nothing (its unread bytes fill the buffers): drop its connection
     log.warning("[%s] the client does not read its stream: closing the connection", t.id)
-    if transport is not None:
-        transport.abort()
+    out.drop()
     return resp
+
+
+def _last_events(shaper: Shaper, ev, include_usage: bool) -> list[dict]:
+    """A stream's end: the finish chunk (and usage), or the error event."""
+    if isinstance(ev, m.Error):
+        return [error_body(ev.status, ev.message, ev.code, ev.param)]
+    return [shaper.chunk(finished=ev)] + ([shaper.usage_chunk(ev)] if include_usage else [])
+
+
+def _cut(gw: Gateway, rid: str, running: list[Tracked], out: SseWriter, why: ClientStalled) -> None:
+    """A client that stopped reading: its requests end now (their slots and rows freed) and its
+    connection is dropped."""
+    log.warning("[%s] the client stopped reading its stream (%s): cancelling %d request(s), closing the connection",
+                rid, why, len(running))
+    message = f"the client stopped reading its stream: {why}"
+    for t in running:
+        gw.link.cancel(t.id, reason=message, release=m.Error(t.id, "client_stalled", message, 408))
+    out.drop()
 
 
 async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateRequest,
@@ -321,25 +339,32 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
         for t in tracked:
             gw.link.cancel(t.id)
 
+    def ended() -> None:
+        many.release_next(gw.link, tracked)
+
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
-    resp = None
+    resp = out = None
     try:
         async with asyncio.timeout_at(deadline):
-            firsts = [await _first_event(t, req) for t in tracked]
+            firsts = [None if t.held else await _first_event(t, req) for t in tracked]
             refused = next((e for e in firsts if isinstance(e, m.Error)), None)
             if refused is not None:
                 cancel()
                 await many.Merged(rows, firsts).drain()
                 return _refuse(rid, refused.status, refused.message, refused.code, refused.param)
             if not req.stream:
-                return await many.whole(rows, firsts, cancel)
+                return await many.whole(rows, firsts, cancel, ended)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": rid})
             await resp.prepare(request)
+            out = SseWriter(request, resp, gw.config.stall_s, gw.config.stall_bytes)
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            await many.stream(resp, rows, firsts, usage, cancel)
+            await many.stream(out, rows, firsts, usage, cancel, ended, gw.config.keepalive_s)
             return resp
+    except ClientStalled as e:
+        _cut(gw, rid, [t for t in tracked if t.id in gw.link.requests], out, e)
+        return resp
     except TimeoutError:
         for t in tracked:
             _time_limit_reached(gw, t)

@@ -4,12 +4,15 @@ Each choice is its own request in the worker's batch (a row; those sharing a pro
 prefix through the reuse cache); the gateway merges their events. Choices are indexed prompt by
 prompt, `index = prompt * n + j`, as OpenAI orders them. With a `seed`, choice j samples with
 seed + j, so the choices differ and each reproduces.
+
+A request holds at most a quarter of the batch's rows at once (`row_share`): its other choices
+are admitted (they count against the queue) but held here, each sent when one of its running
+choices ends, so no two requests take every row.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -18,11 +21,13 @@ from aiohttp import web
 
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
+from gateway.sse import SseWriter
 from protocol import messages as m
 from protocol.schema import split_prompts, top_logprobs
 
 SEED_SPAN = 2**63
 SETTLE_S = 2.0  # how long a refused or failed request waits for its other choices' cancels
+ROW_SHARE = 4  # a request decodes at most max_active / ROW_SHARE rows at once (at least one)
 
 
 @dataclass
@@ -54,12 +59,18 @@ def expand(req: m.GenerateRequest, chat: bool) -> list[Choice]:
     return out
 
 
+def row_share(max_active: int) -> int:
+    return max(1, max_active // ROW_SHARE)
+
+
 def admit_all(link: WorkerLink, rid: str, choices: list[Choice]) -> list[Tracked]:
-    """Admits every choice or none (QueueFull after cancelling those admitted)."""
+    """Admits every choice or none (QueueFull after cancelling those admitted); those past the
+    request's row share are held until running ones end."""
     tracked: list[Tracked] = []
+    share = row_share(link.max_active)
     try:
-        for c in choices:
-            tracked.append(link.admit(f"{rid}-{c.index}", c.request))
+        for i, c in enumerate(choices):
+            tracked.append(link.admit(f"{rid}-{c.index}", c.request, hold=i >= share))
     except QueueFull:
         for t in tracked:
             link.cancel(t.id)
@@ -77,14 +88,16 @@ def usage_of(rows: list[Row]) -> dict:
 
 class Merged:
     """The events of several rows in arrival order, each with its row; `firsts`: an event
-    already taken from each row (None: none)."""
+    already taken from each row (None: none). `ended` is told each row's end (to release a held one)."""
 
-    def __init__(self, rows: list[Row], firsts: list):
-        self.rows = rows
+    def __init__(self, rows: list[Row], firsts: list, ended: Callable[[], None] = lambda: None):
+        self.rows, self.ended = rows, ended
         self.queue: asyncio.Queue = asyncio.Queue()
         for r, ev in zip(rows, firsts):
             if ev is not None:
                 self.queue.put_nowait((r, ev))
+            if isinstance(ev, (m.Finished, m.Error)):
+                ended()
         self.tasks = [asyncio.create_task(self._pump(r)) for r, ev in zip(rows, firsts)
                       if not isinstance(ev, (m.Finished, m.Error))]
 
@@ -93,10 +106,16 @@ class Merged:
             ev = await row.tracked.events.get()
             await self.queue.put((row, ev))
             if isinstance(ev, (m.Finished, m.Error)):
+                self.ended()
                 return
 
-    async def next(self) -> tuple[Row, object]:
-        return await self.queue.get()
+    async def next(self, within_s: Optional[float] = None) -> Optional[tuple[Row, object]]:
+        """The next (row, event); None when none came within `within_s`."""
+        try:
+            async with asyncio.timeout(within_s):
+                return await self.queue.get()
+        except TimeoutError:
+            return None
 
     async def drain(self, within_s: float = SETTLE_S) -> None:
         """After a cancel: waits for every row's end, so their admission slots are free again."""
@@ -112,6 +131,13 @@ class Merged:
             t.cancel()
 
 
+def release_next(link: WorkerLink, tracked: list[Tracked]) -> None:
+    """One of a request's rows ended: its next held choice goes to the worker."""
+    held = next((t for t in tracked if t.held), None)
+    if held is not None:
+        link.release(held)
+
+
 def make_rows(rid: str, model: str, chat: bool, choices: list[Choice], tracked: list[Tracked],
               tool_calls: bool) -> list[Row]:
     want = top_logprobs(choices[0].request) is not None
@@ -119,9 +145,9 @@ def make_rows(rid: str, model: str, chat: bool, choices: list[Choice], tracked: 
             for c, t in zip(choices, tracked)]
 
 
-async def whole(rows: list[Row], firsts: list, cancel: Callable[[], None]) -> web.Response:
+async def whole(rows: list[Row], firsts: list, cancel: Callable[[], None], ended: Callable[[], None]) -> web.Response:
     """One response with every choice; the first error ends them all."""
-    merged = Merged(rows, firsts)
+    merged = Merged(rows, firsts, ended)
     try:
         done = 0
         while done < len(rows):
@@ -143,35 +169,35 @@ async def whole(rows: list[Row], firsts: list, cancel: Callable[[], None]) -> we
     return web.json_response(body, headers={"X-Request-Id": rows[0].shaper.id})
 
 
-async def stream(resp: web.StreamResponse, rows: list[Row], firsts: list, include_usage: bool,
-                 cancel: Callable[[], None]) -> None:
-    """The SSE events of every choice, interleaved as they come, then usage and [DONE]."""
+async def stream(out: SseWriter, rows: list[Row], firsts: list, include_usage: bool, cancel: Callable[[], None],
+                 ended: Callable[[], None], keepalive_s: float) -> None:
+    """The SSE events of every choice, interleaved as they come (a keep-alive comment while none
+    comes for keepalive_s), then usage and [DONE]. Raises ClientStalled (gateway/sse.py)."""
     if rows[0].shaper.chat:
         for r in rows:
-            await _sse(resp, r.shaper.chunk(role=True, text=""))
-    merged = Merged(rows, firsts)
+            await out.event(r.shaper.chunk(role=True, text=""))
+    merged = Merged(rows, firsts, ended)
     try:
         done = 0
         while done < len(rows):
-            row, ev = await merged.next()
+            got = await merged.next(keepalive_s)
+            if got is None:
+                await out.keepalive()
+                continue
+            row, ev = got
             if isinstance(ev, m.TextDelta) and (chunk := row.shaper.delta(ev)) is not None:
-                await _sse(resp, chunk)
+                await out.event(chunk)
             elif isinstance(ev, m.Finished):
                 row.finished, done = ev, done + 1
-                await _sse(resp, row.shaper.chunk(finished=ev))
+                await out.event(row.shaper.chunk(finished=ev))
             elif isinstance(ev, m.Error):
                 cancel()
-                await _sse(resp, error_body(ev.status, ev.message, ev.code, ev.param))
+                await out.event(error_body(ev.status, ev.message, ev.code, ev.param))
                 await merged.drain()
                 break
         else:
             if include_usage:
-                await _sse(resp, rows[0].shaper.usage_chunk(rows[0].finished, usage_of(rows)))
+                await out.event(rows[0].shaper.usage_chunk(rows[0].finished, usage_of(rows)))
     finally:
         merged.close()
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-
-
-async def _sse(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    await out.done()

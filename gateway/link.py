@@ -39,6 +39,7 @@ class Tracked:
     sent_to: Optional[int] = None  # worker pid the job went to
     started: bool = False
     cancel_requested: bool = False
+    held: bool = False  # admitted, but sent to the worker only when released (a request's rows beyond its share)
     admitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -124,14 +125,23 @@ class WorkerLink:
         """Seconds since the ready worker's last heartbeat (0 without a worker)."""
         return time.monotonic() - self.heard_at if self.worker is not None else 0.0
 
-    def admit(self, request_id: str, req: m.GenerateRequest) -> Tracked:
+    def admit(self, request_id: str, req: m.GenerateRequest, hold: bool = False) -> Tracked:
+        """Admits a request (QueueFull past capacity); `hold`: keeps it here until `release`."""
         if len(self.requests) >= self.capacity:
             raise QueueFull()
-        t = Tracked(request_id, m.SubmitRequest(request_id, req, gateway_pid=self.pid), next(self._seq))
+        t = Tracked(request_id, m.SubmitRequest(request_id, req, gateway_pid=self.pid), next(self._seq), held=hold)
         self.requests[request_id] = t
-        if self.ready:
+        if self.ready and not hold:
             self._send(t)
         return t
+
+    def release(self, t: Tracked) -> None:
+        """Sends a held request to the worker (or to the next one, when none is ready)."""
+        if not t.held or t.id not in self.requests:
+            return
+        t.held = False
+        if self.ready:
+            self._send(t)
 
     def cancel(self, request_id: str, reason: str = "the request was cancelled",
                release: Optional[m.Error] = None) -> None:
@@ -206,7 +216,7 @@ class WorkerLink:
         for t in sorted(self.requests.values(), key=lambda t: t.seq):
             if t.cancel_requested and not t.started:
                 self._end(t, m.Error(t.id, "cancelled", "the request was cancelled", 503))
-            elif not t.started:
+            elif not t.started and not t.held:
                 self._send(t)
 
     def _on_worker_down(self, down: m.WorkerDown) -> None:

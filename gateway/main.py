@@ -33,6 +33,7 @@ def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
     p.add_argument("--max-tokens-cap", type=int, default=2048)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--keepalive-s", type=float, default=5.0)
+    p.add_argument("--stall-s", type=float, default=10.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--allow-host", action="append", default=[])
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
         runtime_dir=a.runtime_dir, host=a.host, port=a.port, max_active=a.max_active,
         queue_size=a.queue_size, api_key=os.environ.get("VERITY_API_KEY") or None,
         max_tokens_cap=a.max_tokens_cap, max_body_bytes=a.max_body_bytes,
-        keepalive_s=a.keepalive_s, drain_timeout_s=a.drain_timeout_s,
+        keepalive_s=a.keepalive_s, stall_s=a.stall_s, drain_timeout_s=a.drain_timeout_s,
         request_timeout_s=a.request_timeout_s or None, allow_hosts=tuple(a.allow_host),
         allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts,
         heartbeat_timeout_s=a.heartbeat_timeout_s, served_names=tuple(a.served_model_name),

@@ -139,7 +139,7 @@ def test_tool_responses_fit_the_openapi_shapes(stack, model):
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
         chunks = [msgspec.convert(json.loads(line[6:]), shapes.ChatCompletionChunk)
                   for line in r.iter_lines() if line.startswith("data: {")]
-    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole.choices[0].finish_reason  # a random model may repeat to "length"
     pieces = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
     assert sum(d.id is not None for d in pieces) == len(whole.choices[0].message.tool_calls)
 

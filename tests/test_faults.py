@@ -227,8 +227,9 @@ async def test_clients_that_stop_reading_stall_no_one(limited, reliability):
 async def test_stalled_write_is_cut_at_the_time_limit(tmp_path, caplog, reliability):
     """In process (the tiny model cannot outrun loopback's ~2 MB of socket buffers): a gateway whose
     worker streams 64 KiB text deltas to a client that reads nothing. The write blocks; at the time
-    limit the request is cancelled and, the error event being unwritable too, the connection dropped."""
-    gw = Gateway(GatewayConfig(runtime_dir=str(tmp_path), request_timeout_s=1.0))
+    limit the request is cancelled and, the error event being unwritable too, the connection dropped.
+    (The stall bounds are set past the limit: test_a_client_that_stops_reading_is_cut tests them.)"""
+    gw = Gateway(GatewayConfig(runtime_dir=str(tmp_path), request_timeout_s=1.0, stall_s=60, stall_bytes=1 << 30))
     gw.link.worker = m.Ready(process="worker", pid=1, model_id="fake")
     cancels = []
     gw.link.jobs = type("Jobs", (), {"send": staticmethod(lambda data: None)})()
