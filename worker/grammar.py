@@ -183,8 +183,8 @@ class Compiler:
             done = self._build(req)
             self._keep(key, done)
             mine.set_result(done)
-        if isinstance(done, GrammarInvalid):
-            raise done
+        if isinstance(done, GrammarInvalid):  # a fresh one each time: a kept one would gather tracebacks
+            raise GrammarInvalid(done.message, done.param, done.code) from None
         return done
 
     def _build(self, req: m.GenerateRequest) -> Grammar | GrammarInvalid:
