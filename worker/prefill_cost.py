@@ -54,8 +54,9 @@ def default_bound_s() -> float:
 
 
 class PrefillCost:
-    def __init__(self, max_tokens: int, bound_s: float, min_tokens: int = 1):
-        """`max_tokens`: the largest chunk (--prefill-step); `bound_s`: the most a round may cost."""
+    def __init__(self, max_tokens: int, bound_s: Optional[float], min_tokens: int = 1):
+        """`max_tokens`: the largest chunk (--prefill-step); `bound_s`: the most a round may cost
+        (None: every chunk `max_tokens`, as where ranks must feed the same chunks)."""
         self.max_tokens, self.min_tokens, self.bound = max_tokens, min(min_tokens, max_tokens), bound_s
         self.rounds: deque[Round] = deque(maxlen=KEPT)
         self.idle: Optional[float] = None  # the moving average of rounds that prefilled nothing
@@ -93,7 +94,7 @@ class PrefillCost:
         """The largest chunk (min_tokens..max_tokens) whose round stays within AIM of the bound at
         this depth: the positive root of rows * (q/2 L^2 + (p + q d) L) = AIM * bound - base."""
         bound = bound_s if bound_s is not None else self.bound
-        if self.per_token is None:
+        if bound is None or self.per_token is None:
             return self.max_tokens  # nothing measured yet: the configured chunk
         room = (AIM * bound - self.base) / max(1, rows)
         p, q = self.per_token, self.per_key

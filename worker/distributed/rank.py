@@ -80,6 +80,7 @@ def run_rank(argv: list[str]) -> int:
     link = Link(group)
     kind = LeaderEngine if rank == 0 else FollowerEngine
     engine = build_engine(args, lm, draft, lambda lm, config, draft: kind(lm, config, draft, link), log_decisions=rank == 0)
+    engine.runner.cost.bound = None  # ranks timing their own chunks would feed different ones: --prefill-step
     ranks = gather(group, RankInfo(rank, os.getpid(), socket.gethostname(), engine.kv_budget))
     engine.kv_budget = min(r.kv_budget for r in ranks)  # admission must be the same on every rank
     Watchdog(link, ours.rank_timeout_s).start()
