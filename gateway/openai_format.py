@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -131,6 +132,7 @@ class Shaper:
 
     def _logprobs(self, lps: list[m.TokenLogprob], offset: int) -> dict:
         """Chat's `{"content": [...]}`, or the legacy completion shape (its offsets from `offset`)."""
+        lps = [_finite(x) for x in lps]
         if self.chat:
             return {"content": msgspec.to_builtins(lps), "refusal": None}
         offsets = [offset + _chars(lps[:i]) for i in range(len(lps))]
@@ -141,6 +143,18 @@ class Shaper:
         """The last chunk's usage: this request's, or `totals` over several choices."""
         return {**self._base(self.object + ".chunk" if self.chat else self.object), "choices": [],
                 "usage": totals or usage(finished.metrics), "metrics": metrics_dict(finished.metrics)}
+
+
+IMPOSSIBLE = -9999.0  # OpenAI's log-probability for a token of probability 0: JSON has no -Infinity
+
+
+def _finite(x: m.TokenLogprob) -> m.TokenLogprob:
+    """A token's log-probabilities as JSON can carry them (a penalty of 5e-324 made them -inf)."""
+    fix = lambda v: v if math.isfinite(v) else IMPOSSIBLE  # noqa: E731
+    if math.isfinite(x.logprob) and all(math.isfinite(t.logprob) for t in x.top_logprobs):
+        return x
+    top = [msgspec.structs.replace(t, logprob=fix(t.logprob)) for t in x.top_logprobs]
+    return msgspec.structs.replace(x, logprob=fix(x.logprob), top_logprobs=top)
 
 
 def _chars(lps: Optional[list[m.TokenLogprob]]) -> int:

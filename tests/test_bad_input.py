@@ -230,6 +230,22 @@ async def test_a_deep_schema_is_one_400_and_one_log_line(served, reliability):
         bodies={f"depth {d}": f"{size} bytes, 400" for d, (size, _) in seen.items()}, lost=0, hung=0, leaked="none")
 
 
+async def test_log_probabilities_stay_json_under_a_vanishing_penalty(served):
+    """repetition_penalty 5e-324 (schemathesis's) sends logits to infinity and log-probabilities to
+    -inf, which JSON cannot carry: they come as -9999.0, OpenAI's value for an impossible token."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the response"))
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1,  # sampled: temperature 1
+            "logprobs": True, "top_logprobs": 2, "repetition_penalty": 5e-324}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(served.url + "/v1/chat/completions", json=body, headers=AUTH) as r:
+            assert r.status == 200 and strict(await r.text())["choices"][0]["logprobs"]["content"]
+        async with http.post(served.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH) as r:
+            chunks = [strict(x[6:]) for x in (await r.text()).splitlines() if x.startswith("data: {")]
+    assert chunks and r.status == 200
+
+
 async def test_text_with_control_characters_is_served(served):
     text = "nul\u0000 bell\u0007 esc\u001b[31m del\u007f bidi\u202e zero-width\u200b é 😀 \r\n"
     async with aiohttp.ClientSession() as http:
