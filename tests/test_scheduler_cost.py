@@ -370,3 +370,24 @@ def test_a_round_with_costs_apart_enters_the_table_at_its_own_time():
     assert counts[Cell(1, 8, 8)] == 3 and table[Cell(1, 8, 8)] == pytest.approx(0.338)
     assert sorted(why for _, _, why in s.cost.set_apart) == ["draft catch-up"] * 3 + ["look-ahead taken"] * 3
     assert s.cost.catch_up_seconds(1) == pytest.approx(0.0058)
+
+
+def test_a_cells_first_round_far_past_plain_is_a_stall_kept_out_of_table_and_window():
+    """A GPU builds kernels the first time it meets a shape: a drafting cell's first round at
+    200x a plain round is set apart (neither the table nor the never-lose window counts it);
+    the same cell's next round at its own pace enters the table."""
+    s = Scheduler()
+    for _ in range(MIN_SAMPLES + 1):
+        s.plan(["a", "b"], 2)
+        s._round = Cell(2, 0, 0)  # the round as planned: plain
+        s.observe_round(0.010, complete=True)
+    window_before = s.window(2).rounds
+    s._round = Cell(2, 4, 2)
+    s.observe_round(2.0, complete=True)  # 200x plain: no sample of the cell
+    s.cost.commit()
+    assert Cell(2, 4, 2) not in s.cost.table() and s.cost.set_apart[-1][2] == "stall"
+    assert s.window(2).rounds == window_before
+    s._round = Cell(2, 4, 2)
+    s.observe_round(0.025, complete=True)  # 2.5x plain for up to 3 tokens a row: a sample
+    s.cost.commit()
+    assert s.cost.table()[Cell(2, 4, 2)] == pytest.approx(0.025)

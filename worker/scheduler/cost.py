@@ -12,6 +12,7 @@ WINDOW = 32  # measurements kept per cell (and catch-ups, draft steps)
 MAX_AGE = 256  # rounds after which a drafting cell's rounds expire, where it has fewer than MIN_SAMPLES
 STALE_GAP = 32  # rounds without a measurement after which a cell of few rounds starts anew on a cheaper one
 STALL_FACTOR = 10.0  # a round this many times its cell's median is a stall: set apart
+FIRST_STALL_FACTOR = 10.0  # a cell's first round this many times the plain round per token it may emit: a stall
 CATCH_UP_REASONS = CATCH_UP  # set-apart costs a probe pays besides its round
 DISCARD_REASONS = (SetApart.LOOK_AHEAD_DISCARDED,)  # ... and, batched after pipelined plain rounds, the forward it discards
 PIPELINE_REASONS = PIPELINE  # what stopping costs where plain rounds are pipelined
@@ -89,7 +90,7 @@ class CostModel:
         gap, median = (self.rounds - cell[-1][0], _median([t for _, t in cell])) if cell else (0, 0.0)
         if gap > STALE_GAP and seconds < median and self.measured.get(key, 0) < FEW_ROUNDS:
             cell.clear()  # a few early rounds priced it out: start anew
-        if len(cell) >= 3 and seconds > STALL_FACTOR * median:
+        if self.stalled(key, raw):
             self.set_apart.append((key, seconds, SetApart.STALL))
             return
         if len(cell) >= MIN_SAMPLES:  # the pace this round shows, against its cell's figure, moving PACE_BOUND at most
@@ -102,6 +103,18 @@ class CostModel:
         cell.append((self.rounds, seconds))
         del cell[:-WINDOW]
         self.measured[key] = self.measured.get(key, 0) + 1
+
+    def stalled(self, key: Cell, raw: float) -> bool:
+        """A round no sample of its cell: many times the cell's median, or, as the cell's first
+        round, many times a plain round's per token the round may emit (a GPU building kernels
+        for a shape it meets the first time: docs/scheduler.md, "Stalls")."""
+        cell = self.cells.get(key) or []
+        if len(cell) >= 3:
+            return raw / self.pace > STALL_FACTOR * _median([t for _, t in cell])
+        plain = self.cells.get(Cell(key.n, 0, 0)) if key.b else None
+        if cell or not plain or len(plain) < MIN_SAMPLES:
+            return False
+        return raw / self.pace > FIRST_STALL_FACTOR * _median([t for _, t in plain]) * (1 + key.d)
 
     def newest(self, key: Cell) -> int:
         """The round of the cell's newest measurement (0: none)."""

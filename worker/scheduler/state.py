@@ -289,6 +289,8 @@ class Scheduler:
         tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
         if self._round is None:
             return
+        if complete and self.cost.stalled(self._round, seconds):  # no sample of drafting or of plain rounds
+            complete, reason = False, SetApart.STALL
         stop = self._never_lose(seconds, complete, reason, apart) if self.fixed is None else None
         if self._log:
             self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
