@@ -16,7 +16,7 @@ from protocol import messages as m
 from test_batching import CountingModel, chat, divergences_off_near_ties, drive
 from worker.engine import Engine, EngineConfig
 from worker.round import RoundInput, RoundPlan
-from worker.scheduler import Scheduler
+from worker.scheduler import POSITIONS, Scheduler
 
 PROMPTS = ["the quick brown fox", "hello world", "once upon a time " * 3, "one two three four",
            "tell me a story about the sea", "hi"]
@@ -75,6 +75,20 @@ def test_a_round_with_drafting_joint_rows_is_one_target_forward(pair):
     shapes, emitted = one_round_of_four(pair, draft_budget=2)
     assert shapes == [(4, 3)]  # two baseline rows and two joint rows drafting 2, one forward
     assert emitted == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_warm_up_drafts_in_rounds_of_two_rows_and_leaves_the_batch_empty(pair):
+    """Besides each width on one row, the warm-up plays drafting rounds of two rows of unequal
+    lengths (the kernels many rows use), at the narrowest and widest depth, then frees them."""
+    counting = CountingModel(pair.target.model)
+    target = dataclasses.replace(pair.target, model=counting)
+    engine = Engine(target, EngineConfig(max_active=4), pair.drafts["copy"])
+    engine.warm_forwards()
+    assert {(1, w) for w in range(1, POSITIONS + 2)} <= set(counting.shapes)
+    assert {(2, 1), (2, 2), (2, POSITIONS + 1)} <= set(counting.shapes)
+    assert not engine.has_work() and len(engine.runner.target) == 0 and len(engine.runner.draft) == 0
+    alone = drive(engine, {0: [("r", chat(PROMPTS[0], 12))]})
+    assert drive(engine, {0: [("j", joint(PROMPTS[0], 12))]}) == {"j": alone["r"]}
 
 
 @pytest.mark.parametrize("draft", ["copy", "perturbed"])

@@ -12,6 +12,10 @@ import sys
 CUDA_GRAPH_ENV = {"MLX_CUDA_GRAPH_CACHE_SIZE": "16384"}
 if sys.platform != "darwin":
     CUDA_GRAPH_ENV["MLX_MAX_OPS_PER_BUFFER"] = "100"
+    # cuDNN's attention builds a plan per (rows, query width, cache length): a verify of a few
+    # tokens meets a new one every round; MLX's own kernels need none (docs/benchmarks.md,
+    # "Shapes on a GPU").
+    CUDA_GRAPH_ENV["MLX_CUDA_USE_CUDNN_SDPA"] = "0"
 
 
 def apply() -> None:

@@ -22,7 +22,9 @@ from worker.batch import select
 from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advance
 from worker.batch.slotbatch import SlotBatch
 from worker.prefill_cost import PrefillCost, default_bound_s
+from worker.joint.sampling import make_key_fn
 from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
+from worker.sampling import RowSampling
 from worker.sampling import chosen as chosen_of
 from worker.state.checkpoint import install_recording
 
@@ -101,6 +103,24 @@ class BatchRunner:
                 batch.commit(f, [1] if record else [w])
                 mx.eval(batch.arrays())
             batch.remove(WARM)
+        self._warm_rounds(tokens, widest)
+
+    def _warm_rounds(self, tokens: list[int], widest: int) -> None:
+        """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
+        of unequal lengths: what a round of many rows compiles (gathers, scatters, recovery) the
+        first time it runs (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
+        if self.draft is None or self.rows or len(tokens) < 8:
+            return
+        ids = [f"{WARM}{i}" for i in range(2)]
+        for i, rid in enumerate(ids):
+            self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
+        while any(self.rows[rid].phase == Phase.PREFILL for rid in ids):
+            self.prefill()
+        for k in sorted({0, 1, widest - 1}):
+            self.decode({rid: k for rid in ids})
+            mx.eval(self.target.arrays(), self.draft.arrays())
+        for rid in ids:
+            self.leave(rid)
 
     # ---- membership ----
 
