@@ -42,13 +42,18 @@ class RequestInvalid(Exception):
 
 def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     """JSON bytes -> a checked, normalized GenerateRequest, or RequestInvalid."""
+    return check_request(decode_body(body, _decoder), endpoint)
+
+
+def decode_body(body: bytes, decoder: msgspec.json.Decoder):
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (every route's)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
         raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
     check_depth(body)
     try:
-        req = _decoder.decode(body)
+        req = decoder.decode(body)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
@@ -57,7 +62,7 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
         msgspec.msgpack.encode(req)
     except OverflowError:
         raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
-    return check_request(req, endpoint)
+    return req
 
 
 def json_depth(body: bytes) -> int:
@@ -143,6 +148,9 @@ def _check_endpoint(req: GenerateRequest, endpoint: Endpoint) -> None:
 def _check_message(msg, i: int) -> None:
     """Content parts: text and refusal only (a refusal part reads as text). A null content reads
     as empty text (an assistant turn of tool calls or a refusal has none)."""
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(msg, name) is not None and msg.role != "assistant":
+            raise RequestInvalid(f"`messages[{i}].{name}`: only an assistant turn carries thinking", f"messages[{i}].{name}")
     if msg.content is None or isinstance(msg.content, str):
         return
     where = f"messages[{i}].content"
@@ -171,7 +179,7 @@ def resolve_thinking(req: GenerateRequest) -> None:
     for name, v in given[1:]:
         if v != given[0][1]:
             raise RequestInvalid(f"`{name}` ({'on' if v else 'off'}) contradicts `{given[0][0]}` "
-                                 f"({'on' if given[0][1] else 'off'})", name)
+                                 f"({'on' if given[0][1] else 'off'})", name, "conflicting_thinking_controls")
     req.thinking = given[0][1] if given else None
     req.chat_template_kwargs = None
 
