@@ -345,6 +345,7 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     components["Message"]["allOf"] = _MESSAGE_RULES
     components["ChatCompletionRequest"] = _request_schema(base, True, cap, names, joint)
     components["CompletionRequest"] = _request_schema(base, False, cap, names, joint)
+    small.narrow(components, components["ChatCompletionRequest"]["properties"]["model"] if names else None, REF)
     limits = _limits(context_limit, max_body_bytes, request_timeout_s)
     security = [{"bearer": []}] if auth else []
     doc = {

@@ -156,6 +156,20 @@ def _tokenize_job(body: TokenizeRequest) -> m.TokenizeJob:
 STRUCTS = (TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, CancelResponse)
 
 
+def narrow(components: dict, model: Optional[dict], ref: str) -> None:
+    """The request schemas as the handlers check them: `model` this server's names; exactly one
+    of `prompt` and `messages` (a non-empty list); tools and thinking with messages only."""
+    t, d = components["TokenizeRequest"], components["DetokenizeRequest"]
+    if model is not None:
+        t["properties"]["model"] = d["properties"]["model"] = model
+    t["properties"]["messages"] = {"anyOf": [{"type": "array", "minItems": 1, "items": {"$ref": ref.format(name="Message")}},
+                                             {"type": "null"}], "default": None}
+    given = lambda name: {"required": [name], "properties": {name: {"not": {"type": "null"}}}}  # noqa: E731
+    t["oneOf"] = [{**given("prompt"), "not": given("messages")}, {**given("messages"), "not": given("prompt")}]
+    t["allOf"] = [{"if": given("prompt"), "then": {"properties": {k: {"type": "null"} for k in
+                                                                   ("tools", "thinking", "chat_template_kwargs")}}}]
+
+
 def openapi_paths(ref: str, error: Callable[[str], dict], security: list) -> dict:
     """These routes' OpenAPI operations (`ref`: the components' $ref template; `error`: an error
     response described)."""
