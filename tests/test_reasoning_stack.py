@@ -5,6 +5,10 @@ the small endpoints (/tokenize, /detokenize, cancelling a chat completion by its
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -181,3 +185,35 @@ def test_cancel_a_running_chat_completion_by_its_id(stack, client):
     assert stack.settled()["worker"]["active"] == 0
     again = httpx.post(f"{stack.url}/v1/chat/completions/{first.id}/cancel")
     assert again.status_code == 404 and again.json()["error"]["param"] == "id"
+
+
+# ---- verity generate / chat ----
+
+
+def test_the_cli_prints_thinking_dimmed_and_the_answer_apart(stack, client):
+    """On a terminal (a pty) the think block is dimmed; into a pipe, stdout is the answer alone
+    and the thinking goes to stderr."""
+    want = ask(client, ignore_eos=True, max_tokens=24).choices[0].message
+    args = [sys.executable, "-m", "cli.main", "generate", "hello world", "--url", stack.url, "--max-tokens", "24",
+            "--temperature", "0", "--ignore-eos"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == want.content + "\n" and piped.stderr.startswith(want.model_extra["reasoning"] + "\n")
+    main, sub = pty.openpty()
+    run = subprocess.run(args, stdout=sub, stderr=subprocess.PIPE, timeout=60)
+    os.close(sub)
+    shown = b""
+    while chunk := _read(main):
+        shown += chunk
+    os.close(main)
+    assert run.returncode == 0, run.stderr
+    text = shown.decode().replace("\r\n", "\n")
+    assert text.startswith("\x1b[2m") and "\x1b[22m" in text
+    assert text.replace("\x1b[2m", "").replace("\x1b[22m", "") == want.model_extra["reasoning"] + "\n" + want.content + "\n"
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the other end is closed: all was read
+        return b""
