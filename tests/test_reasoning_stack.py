@@ -77,8 +77,9 @@ def test_info_says_the_model_thinks(stack):
 def test_thinking_is_apart_from_the_answer_whole_and_streamed(client, mode):
     """The budget closes the block; the answer follows it; the stream adds up to the whole reply,
     and joint mode gives baseline's reply exactly."""
-    whole = ask(client, mode=mode, ignore_eos=True).choices[0].message
-    extra = whole.model_extra
+    done = ask(client, mode=mode, ignore_eos=True)
+    whole, extra = done.choices[0].message, done.choices[0].message.model_extra
+    assert done.usage.completion_tokens_details.reasoning_tokens == BUDGET == done.model_extra["metrics"]["reasoning_tokens"]
     assert extra["reasoning_content"] and extra["reasoning"] == extra["reasoning_content"]
     assert whole.content and "think>" not in whole.content and "think>" not in extra["reasoning"]
     rc, r, content, finish = streamed(client, mode=mode, ignore_eos=True)
@@ -98,8 +99,10 @@ def test_a_request_budget_overrides_the_servers(client):
 @pytest.mark.parametrize("control", [{"thinking": False}, {"reasoning_effort": "none"},
                                      {"chat_template_kwargs": {"enable_thinking": False}}])
 def test_thinking_switched_off(client, control):
-    msg = ask(client, ignore_eos=True, **control).choices[0].message
+    done = ask(client, ignore_eos=True, **control)
+    msg = done.choices[0].message
     assert msg.model_extra.get("reasoning") is None and msg.content
+    assert done.usage.completion_tokens_details.reasoning_tokens == 0
     on = ask(client, ignore_eos=True, reasoning_effort="high").choices[0].message
     assert on.model_extra["reasoning"]
 
