@@ -114,12 +114,12 @@ async def errors_and_auth(request: web.Request, handler):
     gw = request.app[GATEWAY]
     key = gw.config.api_key
     if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""  # the scheme is case-insensitive
+        given = request.headers.get("Authorization", "") or request.headers.get("x-api-key", "")  # x-api-key: Anthropic's
+        token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         # header bytes that are not UTF-8 arrive surrogate-escaped: compare the bytes as sent
         if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
             msg = "missing API key" if not given else "invalid API key"
-            return json_error(401, f"{msg}: send `Authorization: Bearer <key>`", "invalid_api_key")
+            return json_error(401, f"{msg}: send `Authorization: Bearer <key>` or `x-api-key: <key>`", "invalid_api_key")
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -447,4 +447,7 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces = Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining)
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
+    from gateway import messages_api  # imports this module: added once it is whole
+
+    messages_api.routes(app)
     return app

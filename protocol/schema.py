@@ -42,13 +42,18 @@ class RequestInvalid(Exception):
 
 def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     """JSON bytes -> a checked, normalized GenerateRequest, or RequestInvalid."""
+    return check_request(parse_with(_decoder, body), endpoint)
+
+
+def parse_with(decoder: msgspec.json.Decoder, body: bytes):
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (any entrance's schema)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
         raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
     check_depth(body)
     try:
-        req = _decoder.decode(body)
+        req = decoder.decode(body)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
@@ -57,7 +62,7 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
         msgspec.msgpack.encode(req)
     except OverflowError:
         raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
-    return check_request(req, endpoint)
+    return req
 
 
 def json_depth(body: bytes) -> int:
