@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from protocol import messages as m
-from protocol.schema import MAX_STOP_STRINGS, RequestInvalid, check_depth, check_request, parse_with
+from protocol.schema import MAX_STOP_STRINGS, RequestInvalid, check_request, decode_body
 
 # what a client may send that verity takes and does nothing with (prefix reuse is automatic;
 # one local model has no tiers, regions, containers or server-side context edits)
@@ -185,11 +185,11 @@ _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 
 
 def parse_messages(body: bytes) -> MessagesRequest:
-    return _checked(parse_with(_messages_decoder, body))
+    return _checked(decode_body(body, _messages_decoder))
 
 
 def parse_count(body: bytes) -> CountTokensRequest:
-    return _checked(parse_with(_count_decoder, body))
+    return _checked(decode_body(body, _count_decoder))
 
 
 def _checked(req):
