@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from gateway.openai_format import metrics_dict
+from gateway.reasoning import ReasoningSplit, split
 from gateway.tools import ToolCallStream, split_whole_dropping
 from protocol import messages as m
 
@@ -62,10 +63,12 @@ def _input(arguments: str) -> dict:
 class MessageShaper:
     """The response of one /v1/messages request: whole, or as stream events."""
 
-    def __init__(self, request_id: str, model: str, tools: bool, reasoning=None):
+    def __init__(self, request_id: str, model: str, tools: bool, thinks: bool = False):
         """`tools`: the request offered tools (calls in the text become tool_use blocks);
-        `reasoning`: a streaming thinking split (feed/finish), None when the model does not think."""
-        self.id, self.model, self.tools, self.reasoning = request_id, model, tools, reasoning
+        `thinks`: the model's template thinks (its think block becomes a thinking block)."""
+        self.id, self.model, self.tools, self.thinks = request_id, model, tools, thinks
+        self.inside = False  # the generation starts inside a think block (the worker's Queued says)
+        self.reasoning: Optional[ReasoningSplit] = None
         self.calls = ToolCallStream() if tools else None
         self.kind: Optional[str] = None  # the open block's type
         self.index = -1
@@ -91,11 +94,15 @@ class MessageShaper:
         body["metrics"] = metrics_dict(finished.metrics)  # verity's extension: clients ignore it
         return body
 
+    def queued(self, ev: m.Queued) -> None:
+        self.inside = ev.thinking
+        self.reasoning = ReasoningSplit(ev.thinking) if self.thinks else None
+
     def _split_whole(self, text: str) -> tuple[str, str]:
-        if self.reasoning is None:
+        if not self.thinks:
             return "", text
-        a, b = self.reasoning.feed(text), self.reasoning.finish()
-        return (a.reasoning or "") + (b.reasoning or ""), (a.content or "") + (b.content or "")
+        parts = split(text, self.inside)
+        return parts.reasoning, parts.content
 
     # ---- stream ----
 

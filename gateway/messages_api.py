@@ -22,6 +22,7 @@ from gateway.anthropic_format import MessageShaper, error_object, sse
 from gateway.app import (GATEWAY, STALLED_WRITE_BYTES, WRITE_GRACE_S, Gateway, _cut, _next_event, _refuse,
                          _time_limit_message, _time_limit_reached, served_names)
 from gateway.link import QueueFull, Tracked
+from gateway.small import CALL_TIMEOUT_S
 from gateway.sse import ClientStalled, SseWriter
 from protocol import messages as m
 from protocol.anthropic import parse_count, parse_messages, to_generate
@@ -55,32 +56,40 @@ async def anthropic_errors(request: web.Request, handler):
     return web.json_response(body, status=status, headers=keep)
 
 
-async def _admitted(request: web.Request, parse, max_tokens) -> tuple[Optional[web.Response], Optional[Tracked], object]:
-    """Parses, checks and admits a request: (refusal, None, _) or (None, tracked, its parsed body)."""
+async def _checked(request: web.Request, rid: str, parse, max_tokens):
+    """Parses and checks a request: (refusal, None) or (None, (its body, the internal request))."""
     gw: Gateway = request.app[GATEWAY]
-    rid = "msg_" + uuid.uuid4().hex
     if gw.draining:
-        return _refuse(rid, 503, "the server is shutting down", "shutting_down"), None, None
+        return _refuse(rid, 503, "the server is shutting down", "shutting_down"), None
     try:
         body = parse(await request.read())
         req = to_generate(body, max_tokens(body, gw.config.max_tokens_cap))
     except RequestInvalid as e:
-        return _refuse(rid, 400, e.message, e.code, e.param), None, None
+        return _refuse(rid, 400, e.message, e.code, e.param), None
     if not gw.link.ready:
-        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True), None, None
+        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True), None
     names = served_names(gw)
     if body.model not in names:
         served = ", ".join(f"`{n}`" for n in names)
         return _refuse(rid, 404, f"model `{body.model}` does not exist; this server serves {served} (Claude Code: set "
-                       "ANTHROPIC_MODEL, or start the stack with --served-model-name)", "model_not_found", "model"), None, None
+                       "ANTHROPIC_MODEL, or start the stack with --served-model-name)", "model_not_found", "model"), None
     if gw.config.log_prompts:
         log.info("[%s] prompt: %s", rid, (await request.read()).decode())
-    try:
-        t = gw.link.admit(rid, req)
-    except QueueFull:
-        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True), None, None
-    log.info("[%s] admitted (messages, %s, stream=%s)", rid, req.mode, req.stream)
-    return None, t, body
+    return None, (body, req)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens, rendered and counted by the worker as a generation's would be (no
+    admission: nothing is generated; a prompt over the context is counted too)."""
+    gw: Gateway = request.app[GATEWAY]
+    rid = "msg_" + uuid.uuid4().hex
+    refused, parsed = await _checked(request, rid, parse_count, lambda body, cap: 1)
+    if refused is not None:
+        return refused
+    got = await gw.link.call(m.TokenizeJob(rid, request=parsed[1]), CALL_TIMEOUT_S)
+    if isinstance(got, m.Error):
+        return _refuse(rid, got.status, got.message, got.code, got.param)
+    return web.json_response({"input_tokens": len(got.tokens)}, headers={"X-Request-Id": rid})
 
 
 async def _queued(t: Tracked):
@@ -91,33 +100,20 @@ async def _queued(t: Tracked):
             return ev
 
 
-async def count_tokens(request: web.Request) -> web.Response:
-    """The prompt's tokens, as the worker renders and counts them (it is queued, then cancelled)."""
-    gw: Gateway = request.app[GATEWAY]
-    refused, t, _ = await _admitted(request, parse_count, lambda body, cap: 1)
-    if refused is not None:
-        return refused
-    try:
-        async with asyncio.timeout(gw.config.request_timeout_s or None):
-            ev = await _queued(t)
-    except TimeoutError:
-        ev = m.Error(t.id, "request_timeout", _time_limit_message(gw.config.request_timeout_s), 504)
-    finally:
-        gw.link.cancel(t.id)
-    if isinstance(ev, m.Error):
-        return _refuse(t.id, ev.status, ev.message, ev.code, ev.param)
-    if not isinstance(ev, m.Queued):
-        return _refuse(t.id, 503, "the request was cancelled before it was counted", "cancelled")
-    return web.json_response({"input_tokens": ev.prompt_tokens}, headers={"X-Request-Id": t.id})
-
-
 async def create(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
-    refused, t, body = await _admitted(request, parse_messages, lambda body, cap: min(body.max_tokens, cap))
+    rid = "msg_" + uuid.uuid4().hex
+    refused, parsed = await _checked(request, rid, parse_messages, lambda body, cap: min(body.max_tokens, cap))
     if refused is not None:
         return refused
-    req = t.submit.request
-    shaper = MessageShaper(t.id, body.model, tools_offered(req))
+    body, req = parsed
+    try:
+        t = gw.link.admit(rid, req)
+    except QueueFull:
+        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
+    log.info("[%s] admitted (messages, %s, stream=%s)", rid, req.mode, req.stream)
+    worker = gw.link.worker
+    shaper = MessageShaper(t.id, body.model, tools_offered(req), thinks=bool(worker and worker.thinks))
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:
@@ -126,6 +122,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                 first = await _queued(t)
                 if isinstance(first, m.Error):
                     return _refuse(t.id, first.status, first.message, first.code, first.param)
+                shaper.queued(first)
                 if not req.stream:
                     return await _whole(t, shaper, first)
         except TimeoutError:

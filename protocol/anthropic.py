@@ -235,9 +235,9 @@ def _text(blocks: Union[str, list]) -> str:
 
 def _turns(req: CountTokensRequest) -> list[m.Message]:
     """Anthropic's turns as chat messages: system first, each tool_result a tool message (before
-    its turn's text), tool_use blocks an assistant's tool_calls; past thinking is dropped (as
-    thinking templates drop it). Consecutive turns of one role merge into one, as Anthropic says;
-    a system message after the first turn reads as user text."""
+    its turn's text), tool_use blocks an assistant's tool_calls, thinking blocks its
+    reasoning_content (the template decides whether to render it). Consecutive turns of one role
+    merge into one, as Anthropic says; a system message after the first turn reads as user text."""
     system = [_text(req.system)] if req.system else []
     out: list[m.Message] = []
     for msg in req.messages:
@@ -250,11 +250,13 @@ def _turns(req: CountTokensRequest) -> list[m.Message]:
             if isinstance(b, ToolResultBlock):
                 out.append(m.Message("tool", _text(b.content), tool_call_id=b.tool_use_id))
         texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+        thought = "\n".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock)) or None
         calls = [m.ToolCall(b.id, m.FunctionCall(b.name, json.dumps(b.input, ensure_ascii=False)))
                  for b in blocks if isinstance(b, ToolUseBlock)]
         if not texts and not calls and any(isinstance(b, ToolResultBlock) for b in blocks):
             continue
-        _append(out, m.Message(role, "\n".join(texts), tool_calls=calls or None))
+        _append(out, m.Message(role, "\n".join(texts), tool_calls=calls or None,
+                               reasoning_content=thought if role == "assistant" else None))
     lead = [m.Message("system", "\n".join(system))] if system else []
     return lead + out
 
@@ -265,7 +267,8 @@ def _append(out: list[m.Message], msg: m.Message) -> None:
         out.append(msg)
         return
     text = "\n".join(t for t in (last.content, msg.content) if t)
-    out[-1] = m.Message(msg.role, text, tool_calls=msg.tool_calls)
+    out[-1] = m.Message(msg.role, text, tool_calls=msg.tool_calls,
+                        reasoning_content=last.reasoning_content or msg.reasoning_content)
 
 
 def _tool_fields(req: CountTokensRequest) -> dict:
@@ -292,8 +295,10 @@ def to_generate(req: CountTokensRequest, max_tokens: int) -> m.GenerateRequest:
         fields = {"stop": req.stop_sequences, "stream": bool(req.stream), "temperature": req.temperature,
                   "top_p": req.top_p, "top_k": req.top_k, "user": req.metadata.user_id if req.metadata else None,
                   "mode": req.mode, "ignore_eos": req.ignore_eos, "seed": req.seed}
+    budget = req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None
     out = m.GenerateRequest(
         model=req.model, messages=_turns(req), max_tokens=max_tokens, thinking=thinking_flag(req),
+        max_thinking_tokens=budget,
         response_format=m.ResponseFormat("json_schema", m.JsonSchemaFormat("output", schema_=fmt.schema_)) if fmt else None,
         **_tool_fields(req), **fields)
     return check_request(out, "chat")
