@@ -27,10 +27,12 @@ ERROR_TYPES = {400: (400, "invalid_request_error"), 401: (401, "authentication_e
 Event = tuple[str, dict]  # an SSE event's name and data
 
 
-def error_object(status: int, message: str, request_id: Optional[str] = None) -> tuple[int, dict]:
-    """An error's HTTP status and body in Anthropic's shape."""
+def error_object(status: int, message: str, request_id: Optional[str] = None, code: Optional[str] = None,
+                 param: Optional[str] = None) -> tuple[int, dict]:
+    """An error's HTTP status and body in Anthropic's shape; verity's `code` and `param` (the
+    field at fault) ride along in the error object, where Anthropic's clients ignore them."""
     sent, kind = ERROR_TYPES.get(status, (status if status >= 500 else 400, "api_error"))
-    body = {"type": "error", "error": {"type": kind, "message": message}}
+    body = {"type": "error", "error": {"type": kind, "message": message, "code": code, "param": param}}
     if request_id:
         body["request_id"] = request_id
     return sent, body

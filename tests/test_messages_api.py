@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import aiohttp
+import msgspec
 import anthropic
 import jsonschema
 import pytest
@@ -161,3 +162,27 @@ def test_joint_mode_equals_baseline_greedy(client, model):
     joint = client.messages.create(**kw, extra_body={"ignore_eos": True, "temperature": 0, "mode": "joint"})
     assert joint.content[0].text == base.content[0].text
     assert joint.model_extra["metrics"]["mode"] == "joint" and joint.model_extra["metrics"]["drafted"] > 0
+
+
+async def test_responses_fit_the_openapi_shapes(stack, model):
+    """Real answers convert into the structs /openapi.json describes (gateway/messages_openapi.py)."""
+    from gateway import messages_openapi as shapes
+
+    body = {"model": model, "max_tokens": 40, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+    async with aiohttp.ClientSession(headers={"x-api-key": KEY}) as http:
+        async with http.get(stack.url + "/openapi.json") as r:
+            doc = await r.json()
+        assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(doc["paths"])
+        assert doc["components"]["schemas"]["MessagesRequest"]["properties"]["model"]["enum"] == [model]
+        async with http.post(stack.url + "/v1/messages", json=body) as r:
+            msgspec.convert(await r.json(), shapes.AnthropicMessage)
+        async with http.post(stack.url + "/v1/messages", json={**body, "stream": True}) as r:
+            events = [msgspec.json.decode(line[6:], type=shapes.StreamEvent)
+                      for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert {type(e).__name__ for e in events} >= {"MessageStart", "ContentBlockDelta", "MessageDelta", "MessageStop"}
+        async with http.post(stack.url + "/v1/messages/count_tokens", json={"model": model, "messages": ASK}) as r:
+            msgspec.convert(await r.json(), shapes.CountTokensResponse)
+        async with http.post(stack.url + "/v1/messages", json={"model": model, "messages": ASK}) as r:
+            assert r.status == 400
+            err = msgspec.convert(await r.json(), shapes.AnthropicError)
+        assert "max_tokens" in err.error.message and err.error.type == "invalid_request_error"
