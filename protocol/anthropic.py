@@ -34,6 +34,15 @@ class TextBlock(Struct, tag="text", tag_field="type", forbid_unknown_fields=True
     citations: Any = None
 
 
+class TextPart(Struct, forbid_unknown_fields=True):
+    """A text block where only text may stand (`system`, a tool result's content): `type` required."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: Any = None
+    citations: Any = None
+
+
 class ToolUseBlock(Struct, tag="tool_use", tag_field="type", forbid_unknown_fields=True):
     id: str
     name: str
@@ -44,7 +53,7 @@ class ToolUseBlock(Struct, tag="tool_use", tag_field="type", forbid_unknown_fiel
 
 class ToolResultBlock(Struct, tag="tool_result", tag_field="type", forbid_unknown_fields=True):
     tool_use_id: str
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[TextPart]] = ""
     is_error: Optional[bool] = None
     cache_control: Any = None
 
@@ -136,7 +145,7 @@ class CountTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str
     messages: list[MessageParam]
-    system: Union[str, list[TextBlock], None] = None
+    system: Union[str, list[TextPart], None] = None
     tools: Optional[list[ToolParam]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
@@ -220,7 +229,7 @@ def _checked(req):
 
 
 def _text(blocks: Union[str, list]) -> str:
-    return blocks if isinstance(blocks, str) else "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+    return blocks if isinstance(blocks, str) else "\n".join(b.text for b in blocks if isinstance(b, (TextBlock, TextPart)))
 
 
 def _turns(req: CountTokensRequest) -> list[m.Message]:
