@@ -10,6 +10,7 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
+from collections import Counter
 from typing import Callable
 
 import msgspec
@@ -20,7 +21,8 @@ from gateway.metrics import Counters, Exposition, render
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# generation routes, each a request kind (/metrics' requests_by_kind_total, `verity monitor`)
+GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages"}
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
@@ -38,7 +40,7 @@ class Surfaces:
 
     def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
         self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
-        self.counters = Counters()
+        self.counters = Counters(kinds=Counter(dict.fromkeys(GENERATE_PATHS.values(), 0)))
         self.aliases: tuple[str, ...] = ()  # --served-model-name
         link.on_end.append(self.counters.observe)
 
@@ -53,6 +55,7 @@ class Surfaces:
     async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
         if request.method == "POST" and request.path in GENERATE_PATHS:
             self.counters.http[str(response.status)] += 1
+            self.counters.kinds[GENERATE_PATHS[request.path]] += 1
         if request.path == "/" or request.path.startswith("/static/"):
             response.headers.update(UI_HEADERS)
 

@@ -6,6 +6,8 @@ joint mode. The model's text is garbage: what is proven is shape and agreement."
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 
 import aiohttp
 import msgspec
@@ -186,3 +188,23 @@ async def test_responses_fit_the_openapi_shapes(stack, model):
             assert r.status == 400
             err = msgspec.convert(await r.json(), shapes.AnthropicError)
         assert "max_tokens" in err.error.message and err.error.type == "invalid_request_error"
+
+
+def test_metrics_and_monitor_show_the_messages_kind(stack, client, model):
+    """/metrics counts answered requests by kind; `verity monitor` shows the same counts."""
+    from rich.console import Console
+
+    from cli.monitor import Monitor, fetch_stats, render
+
+    client.messages.create(model=model, max_tokens=2, messages=ASK)
+    metrics = urllib.request.urlopen(stack.url + "/metrics").read().decode()
+    counts = dict(re.findall(r'^verity:requests_by_kind_total\{kind="(\w+)"\} (\d+)', metrics, re.M))
+    assert int(counts["messages"]) > 0 and "chat" in counts and "completion" in counts
+    stats = fetch_stats(stack.url, KEY)
+    assert stats["totals"]["kinds"]["messages"] == int(counts["messages"])
+    mon = Monitor(stack.url)
+    mon.update(stats)
+    console = Console(width=120, record=True)
+    console.print(render(mon))
+    text = console.export_text()
+    assert "chat · completion · messages" in text and f"0 · 0 · {counts['messages']}" in text
