@@ -71,6 +71,18 @@ def test_stream_events_in_order_and_equal_to_whole(client, model):
     assert final.usage.output_tokens == whole.usage.output_tokens == 20
 
 
+def test_stop_sequences_name_the_one_that_ended_it(client, model):
+    kw = dict(model=model, max_tokens=30, messages=ASK, extra_body={"ignore_eos": True, "temperature": 0})
+    text = client.messages.create(**kw).content[0].text
+    stop = text[len(text) // 2:][:3]
+    msg = client.messages.create(**kw, stop_sequences=["\u2603never", stop])
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+    assert msg.content[0].text == text[: text.index(stop)]
+    with client.messages.stream(**kw, stop_sequences=[stop]) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", stop, msg.content[0].text)
+
+
 async def test_raw_stream_has_ping_and_event_lines(stack, model):
     body = {"model": model, "max_tokens": 5, "messages": ASK, "stream": True}
     async with aiohttp.ClientSession() as http:
