@@ -10,7 +10,6 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from collections import Counter
 from typing import Callable
 
 import msgspec
@@ -21,8 +20,8 @@ from gateway.metrics import Counters, Exposition, render
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-# generation routes, each a request kind (/metrics' requests_by_kind_total, `verity monitor`)
-GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages"}
+# the generation routes, each its request kind (/metrics and `verity monitor` count them by kind)
+GENERATE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages"}
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
@@ -40,7 +39,7 @@ class Surfaces:
 
     def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
         self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
-        self.counters = Counters(kinds=Counter(dict.fromkeys(GENERATE_PATHS.values(), 0)))
+        self.counters = Counters()
         self.aliases: tuple[str, ...] = ()  # --served-model-name
         link.on_end.append(self.counters.observe)
 
@@ -53,9 +52,9 @@ class Surfaces:
         app.router.add_get("/v1/verity/stats", self.stats)
 
     async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
-        if request.method == "POST" and request.path in GENERATE_PATHS:
+        if request.method == "POST" and request.path in GENERATE_KINDS:
             self.counters.http[str(response.status)] += 1
-            self.counters.kinds[GENERATE_PATHS[request.path]] += 1
+            self.counters.kinds[GENERATE_KINDS[request.path]] += 1
         if request.path == "/" or request.path.startswith("/static/"):
             response.headers.update(UI_HEADERS)
 

@@ -219,4 +219,4 @@ def test_metrics_and_monitor_show_the_messages_kind(stack, client, model):
     console = Console(width=120, record=True)
     console.print(render(mon))
     text = console.export_text()
-    assert "chat · completion · messages" in text and f"0 · 0 · {counts['messages']}" in text
+    assert f"messages {counts['messages']}" in text
