@@ -34,6 +34,7 @@ def usage(metrics: m.RequestMetrics) -> dict:
         "completion_tokens": metrics.completion_tokens,
         "total_tokens": metrics.prompt_tokens + metrics.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": metrics.reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": metrics.reasoning_tokens},
     }
 
 
