@@ -220,3 +220,26 @@ def test_metrics_and_monitor_show_the_messages_kind(stack, client, model):
     console.print(render(mon))
     text = console.export_text()
     assert f"messages {counts['messages']}" in text
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_llama):
+    with Stack(str(tiny_llama), "--request-timeout-s", "1", "--max-tokens-cap", "2000",
+               env={"VERITY_FAULT_STEP_DELAY_S": "0.005"}) as s:
+        yield s
+
+
+async def test_time_limit_ends_whole_and_streamed_messages(limited):
+    body = {"model": limited.health()[1]["model"], "max_tokens": 2000, "messages": ASK, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(limited.url + "/v1/messages", json=body) as r:
+            assert r.status == 504
+            assert (await r.json())["error"] == {"type": "timeout_error", "code": "request_timeout", "param": None,
+                                                 "message": "the request did not end within this server's time limit "
+                                                            "of 1 s (--request-timeout-s)"}
+        async with http.post(limited.url + "/v1/messages", json={**body, "stream": True}) as r:
+            text = (await r.read()).decode()
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    assert json.loads(text.splitlines()[-2][6:])["error"]["type"] == "timeout_error"
+    await until(limited.idle, 30, "the cancelled requests to leave the worker")
