@@ -10,7 +10,6 @@ input, thinking as `thinking_delta`.
 from __future__ import annotations
 
 import json
-import time
 from typing import Optional
 
 from gateway.openai_format import log_dropped, metrics_dict
@@ -74,7 +73,6 @@ class MessageShaper:
         self.calls = ToolCallStream() if tools else None
         self.kind: Optional[str] = None  # the open block's type
         self.index = -1
-        self.created = time.time()
 
     def _message(self, content: list, reason: Optional[str], use: dict, stop: Optional[str] = None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,

@@ -134,6 +134,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                 first = await _queued(t)
                 if isinstance(first, m.Error):
                     return _refuse(t.id, first.status, first.message, first.code, first.param)
+                if not isinstance(first, m.Queued):  # a Finished "cancelled": it was stopped before it was queued
+                    return _refuse(t.id, 503, "the request was cancelled before it started", "cancelled")
                 shaper.queued(first)
                 if not req.stream:
                     return await _whole(t, shaper, first)
