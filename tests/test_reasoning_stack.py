@@ -220,3 +220,24 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:  # the other end is closed: all was read
         return b""
+
+
+def test_streamed_tool_calls_and_several_choices_after_thinking(client):
+    stream = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=[{"role": "user", "content": "weather?"}], stream=True,
+                                            tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=120,
+                                            extra_body={"mode": "joint"})
+    thought, args, finish = "", "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            thought += c.delta.model_dump().get("reasoning_content") or ""
+            args += "".join(t.function.arguments or "" for t in c.delta.tool_calls or [])
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    assert thought and finish == "tool_calls"
+    Weather.model_validate_json(args)
+    two = ask(client, n=2, seed=5, temperature=1.0, ignore_eos=True)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert all(c.message.model_extra["reasoning"] and c.message.content for c in two.choices)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * BUDGET

@@ -41,10 +41,10 @@ class QueuedRequest:
 class Emitter:
     """Turns rows' outcomes into events."""
 
-    def __init__(self, tokenizer, totals, draft_id: Optional[str]):
-        self.tokenizer, self.totals, self.draft_id = tokenizer, totals, draft_id
+    def __init__(self, tokenizer, totals, draft_id: Optional[str], think: Optional[thinking.ThinkFormat] = None):
+        """`think`: the served model's think format (None: it does not think)."""
+        self.tokenizer, self.totals, self.draft_id, self.think = tokenizer, totals, draft_id, think
         self.eos_ids = set(tokenizer.eos_token_ids)
-        self.think: Optional[thinking.ThinkFormat] = None  # the served model's, when it thinks
 
     def start(self, r: QueuedRequest, events: list) -> None:
         r.detok = StreamingDetokenizer(self.tokenizer, r.prompt)

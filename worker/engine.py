@@ -107,8 +107,7 @@ class Engine:
         self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
         self.think = thinking.detect(lm.tokenizer, lm.chat_template)  # None: the model does not think
-        self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
-        self.emitter.think = self.think
+        self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id, self.think)
 
     # ---- any thread ----
 
