@@ -156,11 +156,7 @@ class Shaper:
             delta["tool_calls"] = pieces
 
     def _log_dropped(self, dropped: list[Dropped], reason: str) -> None:
-        """One line per block that was not a call: it never reaches `content`."""
-        for d in dropped:
-            what = f"`{d.name}`" if d.name else "an unnamed call"
-            why = "whose JSON does not parse" if d.closed else f"cut before its end (finish_reason {reason})"
-            log.warning("[%s] choice %d: dropped a tool call of %s %s", self.id, self.index, what, why)
+        log_dropped(self.id, self.index, dropped, reason)
 
     def _logprobs(self, lps: list[m.TokenLogprob], offset: int) -> dict:
         """Chat's `{"content": [...]}`, or the legacy completion shape (its offsets from `offset`)."""
@@ -175,6 +171,14 @@ class Shaper:
         """The last chunk's usage: this request's, or `totals` over several choices."""
         return {**self._base(self.object + ".chunk" if self.chat else self.object), "choices": [],
                 "usage": totals or usage(finished.metrics), "metrics": metrics_dict(finished.metrics)}
+
+
+def log_dropped(rid: str, index: int, dropped: list[Dropped], reason: str) -> None:
+    """One line per block that was not a call: it never reaches `content`."""
+    for d in dropped:
+        what = f"`{d.name}`" if d.name else "an unnamed call"
+        why = "whose JSON does not parse" if d.closed else f"cut before its end (finish_reason {reason})"
+        log.warning("[%s] choice %d: dropped a tool call of %s %s", rid, index, what, why)
 
 
 IMPOSSIBLE = -9999.0  # OpenAI's log-probability for a token of probability 0: JSON has no -Infinity

@@ -23,7 +23,7 @@ from typing import Literal, Optional
 import msgspec
 from msgspec import Struct
 
-from gateway import small
+from gateway import messages_openapi, small
 from protocol import messages as m
 from protocol.schema import MAX_STOP_STRINGS, NULL_ONLY, UNSUPPORTED_FIELDS
 
@@ -362,6 +362,7 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     }
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    messages_openapi.add(doc, names, joint, auth, REF)  # Anthropic's Messages API
     return doc
 
 
