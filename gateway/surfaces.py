@@ -10,7 +10,7 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import msgspec
 from aiohttp import web
@@ -73,7 +73,15 @@ class Surfaces:
             "max_active": self.link.max_active, "capacity": self.link.capacity,
             "served_model_names": [w["model"], *self.aliases] if w else [],
             "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
+            "model_state": self.model_state(),
         })
+
+    def model_state(self) -> Optional[str]:
+        """The worker's weights: "loaded", "unloaded" (--idle-unload-s) or "loading"; None without a worker."""
+        snap = self.link.worker_stats
+        if self.link.worker is None:
+            return None
+        return snap.model_state if snap is not None and snap.pid == self.link.worker.pid else "loaded"
 
     def _load(self) -> tuple[int, int]:
         """(running, waiting) among the admitted requests."""

@@ -308,6 +308,9 @@ class RankStatus(Struct):
     host: str
 
 
+ModelState = Literal["loaded", "unloaded", "loading"]
+
+
 class StatsSnapshot(Struct, tag=True):
     process: str
     pid: int
@@ -334,6 +337,11 @@ class StatsSnapshot(Struct, tag=True):
     cache_reused_tokens: int = 0
     cache_evictions: int = 0
     ranks: list[RankStatus] = []  # a distributed worker's ranks (empty: one process)
+    # idle unload (--idle-unload-s): the weights' state and its changes since the worker started
+    model_state: ModelState = "loaded"
+    model_loads_total: int = 0  # reloads after an unload (the start's load is not counted)
+    model_unloads_total: int = 0
+    model_load_s_total: float = 0.0  # seconds those reloads took
 
 
 # ---- worker <-> cache service (DEALER -> ROUTER): snapshot metadata and the byte budget ----

@@ -28,6 +28,7 @@ from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid
 from worker.joint.sampling import make_key_fn
 from worker.loader import LoadedModel
+from worker.residency import empty_weights
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import POSITIONS, Scheduler
 from worker.state.reuse import Held, PrefixCache, Start
@@ -94,8 +95,7 @@ class Engine:
         self._active: list[QueuedRequest] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
-        self.runner = BatchRunner(lm.model, draft.model if draft else None, config.prefill_step, config.recovery,
-                                  fast_draft.where_it_runs(draft.model) if draft else None)
+        self.runner = self._make_runner()
         self.cache_cost = memory.cache_cost(lm.model)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
@@ -106,6 +106,11 @@ class Engine:
         self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
         self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
+
+    def _make_runner(self) -> BatchRunner:
+        draft = self.draft.model if self.draft else None
+        return BatchRunner(self.lm.model, draft, self.config.prefill_step, self.config.recovery,
+                           fast_draft.where_it_runs(draft) if draft is not None else None)
 
     # ---- any thread ----
 
@@ -168,6 +173,9 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._cancels)
+
+    def has_requests(self) -> bool:
+        return bool(self._active or self._waiting)
 
     def active_count(self) -> int:
         return len(self._active)
@@ -319,6 +327,23 @@ class Engine:
             return
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
+
+    def release_memory(self) -> None:
+        """Idle unload (worker/residency.py), on an empty batch: the weights emptied in place, the
+        slot caches and in-memory reuse snapshots dropped."""
+        for lm in (self.lm, self.draft):
+            if lm is not None:
+                empty_weights(lm.model)
+        self.runner = self._make_runner()  # fresh slot caches: the old slabs are freed
+        if self.reuse:
+            self.reuse.release_memory()
+
+    def adopt_weights(self, lm: LoadedModel, draft: Optional[LoadedModel]) -> None:
+        """The weights of a model loaded again, set into the served modules."""
+        for mine, new in ((self.lm, lm), (self.draft, draft)):
+            if mine is not None:
+                mine.model.update(new.model.parameters())
+        self.runner = self._make_runner()
 
     def warm_forwards(self) -> None:
         """Every forward width a round may use, once (a distributed group's every rank runs it, in

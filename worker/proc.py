@@ -25,6 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
+import msgspec
 import zmq
 
 from protocol import codec, messages as m, runtime
@@ -32,6 +33,7 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
+from worker.residency import Residency
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
 
@@ -85,8 +87,9 @@ def prompt_bytes(req: m.GenerateRequest) -> int:
 
 
 class WorkerProc:
-    def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str):
+    def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str, residency: Optional[Residency] = None):
         self.draft = engine.draft
+        self.residency = residency or Residency(engine, lambda: (lm, engine.draft), None)
         self.engine, self.lm, self.pid = engine, lm, os.getpid()
         self.ctx = zmq.Context()
         self.runtime_dir = runtime_dir
@@ -148,7 +151,10 @@ class WorkerProc:
             if not self.engine.wait_for_work(IDLE_WAIT_S):
                 if self.engine.reuse:
                     self.engine.reuse.heartbeat()
+                self.residency.tick()
                 continue
+            if self.engine.has_requests():  # a cancel alone needs no weights
+                self.residency.ensure_loaded()
             events = self.engine.step()
             if events:
                 self.outbox.put(m.EventBatch(self.pid, events))
@@ -259,7 +265,8 @@ class WorkerProc:
     def _stats_loop(self) -> None:
         sock = self._socket(zmq.PUB, runtime.WORKER_STATS, bind=True)
         while not self.stopping.wait(STATS_INTERVAL_S):
-            sock.send(codec.encode(self.engine.stats(self.pid)))
+            snap = msgspec.structs.replace(self.engine.stats(self.pid), **self.residency.fields())
+            sock.send(codec.encode(snap))
         sock.close()
 
 
@@ -279,6 +286,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
     p.add_argument("--cache-dir", default=None, help="spill snapshots here (survive a worker restart)")
+    p.add_argument("--idle-unload-s", type=float, default=None, help="free the model after this long idle")
     return p.parse_args(argv)
 
 
@@ -298,7 +306,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     engine.warmup()
     if args.prefix_cache:
         engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
-    proc = WorkerProc(engine, lm, args.runtime_dir)
+    proc = WorkerProc(engine, lm, args.runtime_dir, Residency(engine, lambda: _reload(args), args.idle_unload_s))
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
     return proc.run()
@@ -336,6 +344,12 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
         return None
     return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), cache_identity(lm, draft_id), lm,
                                draft.model if draft else None, args.cache_dir)
+
+
+def _reload(args: argparse.Namespace) -> tuple[LoadedModel, Optional[LoadedModel]]:
+    """The target and draft read again (idle unload's reload)."""
+    lm = load_model(args.model)
+    return lm, load_draft(args.draft, lm) if args.draft else None
 
 
 def _load_with_progress(spec: str, load=None) -> LoadedModel:

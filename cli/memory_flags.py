@@ -1,0 +1,35 @@
+"""launch-stack's memory flags (docs/memory.md): idle unload, a LoRA adapter, the context policy.
+They are the worker's: launch-stack checks what it can and passes them on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+OVERFLOW_POLICIES = ("refuse", "truncate-middle", "rolling")
+
+
+def add_memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--idle-unload-s", type=float, default=None,
+                   help="free the model's weights and caches after this many seconds with no request; "
+                        "the next request loads it again (default: never)")
+
+
+def memory_flag_problem(a: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the memory flags given (the model's own limit is the worker's to check)."""
+    if a.idle_unload_s is not None and a.idle_unload_s <= 0:
+        return f"--idle-unload-s {a.idle_unload_s:g} must be above 0"
+    group = (getattr(a, "ranks", 1) or 1) > 1 or getattr(a, "hostfile", None)
+    if group and a.idle_unload_s:
+        return "--idle-unload-s serves one worker process, not a distributed group"
+    return None
+
+
+def worker_memory_args(a: argparse.Namespace) -> list[str]:
+    """The worker's share of them: only those given."""
+    out = []
+    for flag, value in (("--idle-unload-s", a.idle_unload_s),):
+        if value is not None:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,97 @@
+"""Idle unload (--idle-unload-s) on a real stack: the worker frees the model when idle (its
+resident memory falls), /health stays 200, /v1/verity/info and /metrics say so, and concurrent
+requests that arrive while it is unloaded all complete with the greedy output of before."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.tiny_models import build_tiny_model
+from cli.client import complete
+from stack import Stack, wait_until
+
+IDLE_S = 1.5
+WEIGHTS_MB = 148  # hidden 1024, 4 layers, float32 (model.safetensors)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """Weights large enough that their leaving shows in the resident memory."""
+    return build_tiny_model(tmp_path_factory.mktemp("big"), "llama", seed=3, hidden=1024, layers=4)
+
+
+def rss_mb(pid: int) -> float:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def empty_worker_rss_mb() -> float:
+    """The resident memory of an interpreter that imported what the worker imports, with no model."""
+    code = ("import worker.proc, mlx_lm, transformers, os; "
+            "print([l for l in open(f'/proc/{os.getpid()}/status') if l.startswith('VmRSS')][0].split()[1])")
+    return int(subprocess.check_output([sys.executable, "-c", code], text=True).split()[-1]) / 1024
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def metrics(url: str) -> dict:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def answer(stack, text: str) -> dict:
+    body = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    return complete(stack.url, body)
+
+
+def model_state(stack) -> str:
+    return get_json(stack.url + "/v1/verity/info")["model_state"]
+
+
+def test_idle_unload_frees_memory_and_reloads_for_concurrent_requests(big):
+    with Stack(str(big), "--idle-unload-s", str(IDLE_S), "--cache-bytes", "64M") as stack:
+        prompts = ["hello world", "the quick brown fox", "tell me a story", "what is the capital"]
+        before = {p: answer(stack, p)["choices"][0]["message"]["content"] for p in prompts}
+        pid = stack.worker_pid()
+        loaded = rss_mb(pid)
+        assert model_state(stack) == "loaded"
+
+        wait_until(lambda: model_state(stack) == "unloaded", 60, "the model unloaded after idling")
+        unloaded, empty = rss_mb(pid), empty_worker_rss_mb()
+        print(f"\nworker VmRSS: loaded {loaded:.0f} MiB, unloaded {unloaded:.0f} MiB, "
+              f"an interpreter with the worker's imports {empty:.0f} MiB; weights {WEIGHTS_MB} MiB")
+        assert loaded - unloaded > 0.7 * WEIGHTS_MB
+        assert unloaded < empty + 0.3 * WEIGHTS_MB
+        status, health = stack.health()
+        assert status == 200 and health["worker"]["model_state"] == "unloaded"
+        m = metrics(stack.url)
+        assert m["verity:model_unloads_total"] >= 1 and m["verity:model_loaded"] == 0
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            after = dict(zip(prompts, pool.map(lambda p: answer(stack, p), prompts)))
+        took = time.perf_counter() - t0
+        assert {p: a["choices"][0]["message"]["content"] for p, a in after.items()} == before
+        assert stack.worker_pid() == pid  # the same worker: nothing restarted it
+        stats = stack.settled()["worker"]
+        assert stats["model_state"] == "loaded"
+        m = metrics(stack.url)
+        assert m["verity:model_loads_total"] >= 1 and m["verity:model_loaded"] == 1
+        ttft = max(a["metrics"]["ttft_s"] for a in after.values())
+        print(f"reload: {m['verity:model_load_seconds_total']:.2f} s in total; the 4 requests took {took:.2f} s, "
+              f"the slowest first token {ttft:.2f} s (the load counted); reloaded VmRSS {rss_mb(pid):.0f} MiB")
+        assert ttft >= m["verity:model_load_seconds_total"] / m["verity:model_loads_total"] * 0.5
+    assert stack.exit_code == 0, stack.log()
