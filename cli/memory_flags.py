@@ -14,6 +14,8 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-unload-s", type=float, default=None,
                    help="free the model's weights and caches after this many seconds with no request; "
                         "the next request loads it again (default: never)")
+    p.add_argument("--adapter-path", default=None, metavar="DIR",
+                   help="a LoRA adapter in mlx-lm's format (adapter_config.json, adapters.safetensors) on the model")
 
 
 def memory_flag_problem(a: argparse.Namespace) -> Optional[str]:
@@ -21,15 +23,16 @@ def memory_flag_problem(a: argparse.Namespace) -> Optional[str]:
     if a.idle_unload_s is not None and a.idle_unload_s <= 0:
         return f"--idle-unload-s {a.idle_unload_s:g} must be above 0"
     group = (getattr(a, "ranks", 1) or 1) > 1 or getattr(a, "hostfile", None)
-    if group and a.idle_unload_s:
-        return "--idle-unload-s serves one worker process, not a distributed group"
+    if group and (a.idle_unload_s or a.adapter_path):
+        return "--idle-unload-s and --adapter-path serve one worker process, not a distributed group"
     return None
 
 
 def worker_memory_args(a: argparse.Namespace) -> list[str]:
     """The worker's share of them: only those given."""
     out = []
-    for flag, value in (("--idle-unload-s", a.idle_unload_s),):
+    for flag, value in (("--idle-unload-s", a.idle_unload_s),
+                        ("--adapter-path", a.adapter_path and os.path.abspath(a.adapter_path))):
         if value is not None:
             out += [flag, str(value)]
     return out

@@ -70,6 +70,8 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
     if lm.sharding:  # a distributed group's shards: world size and how the model is split
         parts.append(lm.sharding)
+    if lm.adapter:  # a LoRA adapter changes every state the weights make
+        parts.append(f"adapter={lm.adapter}")
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 

@@ -34,7 +34,7 @@ from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.residency import Residency
-from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
+from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
 
 log = logging.getLogger("verity.worker")
@@ -287,6 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
     p.add_argument("--cache-dir", default=None, help="spill snapshots here (survive a worker restart)")
     p.add_argument("--idle-unload-s", type=float, default=None, help="free the model after this long idle")
+    p.add_argument("--adapter-path", default=None, help="a LoRA adapter (mlx-lm's format) on the model")
     return p.parse_args(argv)
 
 
@@ -294,7 +295,11 @@ def run_worker(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     runtime.watch_parent(lambda: os._exit(1))
-    lm = _load_with_progress(args.model)
+    try:
+        lm = _load_with_progress(args.model, lambda: load_model(args.model, adapter_path=args.adapter_path))
+    except AdapterError as e:
+        log.error("%s", e)
+        return 3
     draft = None
     if args.draft:
         try:
@@ -348,7 +353,7 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
 
 def _reload(args: argparse.Namespace) -> tuple[LoadedModel, Optional[LoadedModel]]:
     """The target and draft read again (idle unload's reload)."""
-    lm = load_model(args.model)
+    lm = load_model(args.model, adapter_path=args.adapter_path)
     return lm, load_draft(args.draft, lm) if args.draft else None
 
 
