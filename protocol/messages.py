@@ -14,6 +14,7 @@ PROTOCOL_VERSION = 1
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 Mode = Literal["baseline", "joint"]
+ContextOverflow = Literal["refuse", "truncate-middle", "rolling"]  # docs/memory.md
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -157,6 +158,7 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     mode: Optional[Mode] = "baseline"
     thinking: Optional[bool] = None
     ignore_eos: Optional[bool] = False
+    context_overflow: Optional[ContextOverflow] = None  # a request past the context (null: the server's --context-overflow)
 
 
 # ---- gateway -> worker ----
@@ -234,6 +236,8 @@ class RequestMetrics(Struct):
     decode_tps: float = 0.0
     recovery_s: float = 0.0
     budget_mean: float = 0.0
+    dropped_messages: int = 0  # context_overflow "truncate-middle": messages left out of the prompt
+    dropped_tokens: int = 0  # and the prompt tokens that took away
 
 
 class Queued(Struct, tag=True):

@@ -34,6 +34,7 @@ class QueuedRequest:
     plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
     grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
+    dropped: tuple[int, int] = (0, 0)  # messages and prompt tokens its context policy left out
 
 
 class Emitter:
@@ -107,6 +108,7 @@ class Emitter:
             reused_tokens=r.plan.reused if r.plan else 0,
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
+            dropped_messages=r.dropped[0], dropped_tokens=r.dropped[1],
         )
         s = r.row.stats if r.row is not None else None
         if s is not None:

@@ -23,6 +23,7 @@ from protocol import messages as m
 from worker import blas_threads, memory
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
 from worker.batch.runner import BatchRunner, play
+from worker.context import ContextPolicy, ContextRefused
 from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid
@@ -45,6 +46,8 @@ class EngineConfig:
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
+    max_context: Optional[int] = None  # tokens of prompt and answer at most (None: the model's limit)
+    context_overflow: str = "refuse"  # a request past it, unless it asks otherwise (worker/context.py)
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
 
 
@@ -108,6 +111,9 @@ class Engine:
         self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
         self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
+        self.context_limit = min(config.max_context or lm.context_limit, lm.context_limit)
+        self.context = ContextPolicy(self.context_limit, config.context_overflow, self._render,
+                                     lambda text: len(lm.tokenizer.encode(text)))
 
     def _make_runner(self) -> BatchRunner:
         draft = self.draft.model if self.draft else None
@@ -125,7 +131,11 @@ class Engine:
             sampling_for(req, self.config.defaults, self.vocab_size)  # fills omitted fields; checks token ids
         except SamplingInvalid as e:
             raise RequestError("invalid_token_id", str(e), param=e.param) from None
-        prompt = self._prompt(req)
+        try:
+            fitted = self.context.fit(req)
+        except ContextRefused as e:
+            raise RequestError(e.code, e.message, param=e.param) from None
+        req, prompt = fitted.req, fitted.prompt
         need = self._worst_case(req, prompt)
         if need > self.kv_budget:
             raise RequestError(
@@ -134,10 +144,11 @@ class Engine:
                 f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
-        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
+        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar,
+                                    dropped=(fitted.dropped_messages, fitted.dropped_tokens)))
         return len(prompt)
 
-    def _prompt(self, req: m.GenerateRequest) -> list[int]:
+    def _render(self, req: m.GenerateRequest) -> list[int]:
         try:
             prompt = render_prompt(self.lm.tokenizer, req, self.vocab_size)
         except PromptInvalid as e:
@@ -146,11 +157,6 @@ class Engine:
             raise RequestError("invalid_prompt", f"the prompt could not be rendered: {e}", param="messages") from None
         if not prompt:
             raise RequestError("invalid_prompt", "the prompt is empty after tokenization", param="prompt")
-        if len(prompt) >= self.lm.context_limit:
-            raise RequestError(
-                "context_length_exceeded",
-                f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
-                param="messages" if req.messages is not None else "prompt")
         return prompt
 
     def _enqueue(self, r: QueuedRequest) -> None:
@@ -230,11 +236,11 @@ class Engine:
     def _emit(self, r: QueuedRequest, outcome: RowOutcome, events: list) -> None:
         if r.phase == Phase.DONE:
             return
-        if self.emitter.tokens(r, outcome, events, self.lm.context_limit):
+        if self.emitter.tokens(r, outcome, events, self.context_limit):
             r.phase = advance(r.phase, Phase.DONE)
 
     def _tokens_left(self, r: QueuedRequest) -> int:
-        return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
+        return min(r.req.max_tokens - len(r.tokens), self.context_limit - len(r.prompt) - len(r.tokens))
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:
@@ -260,7 +266,7 @@ class Engine:
 
     def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
         """Bytes a request's caches may take: its prompt and max_tokens, within the context."""
-        tokens = min(len(prompt) + req.max_tokens, self.lm.context_limit)
+        tokens = min(len(prompt) + req.max_tokens, self.context_limit)
         cost = self.cache_cost + self.draft_cost if req.mode == "joint" else self.cache_cost
         return cost.worst_case(tokens)
 
@@ -352,7 +358,7 @@ class Engine:
         step: the forwards meet in the same collectives)."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
         with mx.stream(generation_stream):
-            self.runner.warm(self._prompt(req) * 16, POSITIONS + 1)
+            self.runner.warm(self._render(req) * 16, POSITIONS + 1)
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, get_args
 
 import msgspec
 import zmq
@@ -33,6 +33,7 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
+from worker.context import unsupported
 from worker.residency import Residency
 from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
@@ -102,7 +103,7 @@ class WorkerProc:
         self._known = threading.Lock()  # orders a job's arrival against its cancel
         token_bytes = max_token_bytes(lm.tokenizer)
         # tokens >= bytes / token_bytes; twice that leaves room for normalizers that shrink text
-        self.max_prompt_bytes = 2 * token_bytes * lm.context_limit if token_bytes else None
+        self.max_prompt_bytes = 2 * token_bytes * engine.context_limit if token_bytes else None
 
     def _socket(self, kind: int, name: str, bind: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -114,7 +115,7 @@ class WorkerProc:
     def ready_message(self) -> m.Ready:
         return m.Ready(
             process="worker", pid=self.pid, model_id=self.lm.model_id,
-            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
+            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.engine.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
         )
@@ -232,10 +233,12 @@ class WorkerProc:
     def _check_length(self, req: m.GenerateRequest) -> None:
         """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""
         size = prompt_bytes(req)
+        if req.messages is not None and self.engine.context.policy(req) == "truncate-middle":
+            return  # its middle messages may be dropped (the body's size bounds it)
         if self.max_prompt_bytes and size > self.max_prompt_bytes:
             raise RequestError(
                 "context_length_exceeded",
-                f"the prompt has {size} bytes of text, more than this model's context of {self.lm.context_limit} "
+                f"the prompt has {size} bytes of text, more than this server's context of {self.engine.context_limit} "
                 f"tokens can hold", param="messages" if req.messages is not None else "prompt")
 
     def _control_loop(self) -> None:
@@ -288,6 +291,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help="spill snapshots here (survive a worker restart)")
     p.add_argument("--idle-unload-s", type=float, default=None, help="free the model after this long idle")
     p.add_argument("--adapter-path", default=None, help="a LoRA adapter (mlx-lm's format) on the model")
+    p.add_argument("--max-context", type=int, default=None, help="tokens a request may fill (default: the model's)")
+    p.add_argument("--context-overflow", choices=get_args(m.ContextOverflow), default="refuse")
     return p.parse_args(argv)
 
 
@@ -299,6 +304,10 @@ def run_worker(argv: list[str] | None = None) -> int:
         lm = _load_with_progress(args.model, lambda: load_model(args.model, adapter_path=args.adapter_path))
     except AdapterError as e:
         log.error("%s", e)
+        return 3
+    problem = context_problem(args, lm.context_limit)
+    if problem:
+        log.error("%s", problem)
         return 3
     draft = None
     if args.draft:
@@ -326,6 +335,7 @@ def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> Engin
                         draft_budget=args.draft_budget, recovery=args.recovery,
                         decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
                         prefill_step=args.prefill_step or memory.default_prefill_step(),
+                        max_context=args.max_context, context_overflow=args.context_overflow,
                         defaults=sampling_defaults(args))
 
 
@@ -349,6 +359,13 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
         return None
     return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), cache_identity(lm, draft_id), lm,
                                draft.model if draft else None, args.cache_dir)
+
+
+def context_problem(args: argparse.Namespace, model_limit: int) -> Optional[str]:
+    """What the context flags ask that this model or engine cannot give."""
+    if args.max_context is not None and not 2 <= args.max_context <= model_limit:
+        return f"--max-context {args.max_context} is outside [2, {model_limit}] (this model's own limit)"
+    return unsupported(args.context_overflow)
 
 
 def _reload(args: argparse.Namespace) -> tuple[LoadedModel, Optional[LoadedModel]]:
