@@ -8,8 +8,11 @@ overrides it):
   kept; whole messages are dropped from the middle, oldest first, until the prompt leaves room
   for max_tokens (for half the context where max_tokens asks more). The metrics say how many
   messages and prompt tokens were dropped.
-- `rolling`: refused by name: the batch engine's slot caches keep every position of a row, so a
-  sliding window over them would not bound memory nor match mlx-lm's RotatingKVCache exactly.
+- `rolling`: a prompt must fit as with `refuse`; the answer goes on past the end of the context
+  over a sliding window, as mlx-lm's RotatingKVCache(max_size=limit, keep=ROLLING_KEEP) would
+  (worker/batch/slots.py, Rolling). Only where every layer is full attention: a recurrent layer's
+  state holds all of the history, which no window can drop (hybrid models such as qwen3_5), and
+  a model's own sliding-window layers already mask another way; those refuse it by name.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import msgspec
 
 from protocol import messages as m
 from protocol.schema import message_text
+from worker.batch.slotbatch import slot_layers
+from worker.batch.slots import Rolling, SlotKV
 
 KEPT_ROLES = ("system", "developer")
 
@@ -41,18 +46,27 @@ class Fitted:
     dropped_tokens: int = 0
 
 
-def unsupported(policy: str) -> Optional[str]:
-    """Why a policy cannot be served by this engine (None: it can)."""
-    if policy == "rolling":
-        return ("`context_overflow` \"rolling\" is not supported by this engine: its batch keeps every "
-                "position of a row's cache (use \"refuse\" or \"truncate-middle\")")
+ROLLING_KEEP = 4  # the first positions a rolling window keeps: mlx-lm's make_prompt_cache(max_kv_size=...)
+
+
+def rolling_refusal(model) -> Optional[str]:
+    """Why `rolling` is not sound for this model (None: it is)."""
+    layers = slot_layers(model)
+    if not all(isinstance(x, SlotKV) for x in layers):
+        return ("`context_overflow` \"rolling\" is not supported for this model: its recurrent layers keep "
+                "all of the history in their state, which no window can drop (a hybrid model)")
+    if any(x.window is not None for x in layers):
+        return "`context_overflow` \"rolling\" is not supported for this model: it has sliding-window layers of its own"
     return None
 
 
 class ContextPolicy:
-    def __init__(self, limit: int, default: str, render: Callable[[m.GenerateRequest], list[int]], count_text):
-        """`render(req)`: the prompt's tokens (raises the engine's refusal); `count_text(text)`: tokens of a text."""
+    def __init__(self, limit: int, default: str, render: Callable[[m.GenerateRequest], list[int]], count_text,
+                 rolling_refused: Optional[str] = None):
+        """`render(req)`: the prompt's tokens (raises the engine's refusal); `count_text(text)`: tokens
+        of a text; `rolling_refused`: why this model cannot roll (None: it can)."""
         self.limit, self.default, self.render, self.count_text = limit, default, render, count_text
+        self.rolling_refused = rolling_refused
 
     def policy(self, req: m.GenerateRequest) -> str:
         return req.context_overflow or self.default
@@ -60,15 +74,18 @@ class ContextPolicy:
     def fit(self, req: m.GenerateRequest) -> Fitted:
         """The request's prompt within the context by its policy, or ContextRefused."""
         policy = self.policy(req)
-        why = unsupported(policy)
-        if why:
-            raise ContextRefused("context_policy_unsupported", why, "context_overflow")
+        if policy == "rolling" and self.rolling_refused:
+            raise ContextRefused("context_policy_unsupported", self.rolling_refused, "context_overflow")
         prompt = self.render(req)
         if policy == "truncate-middle" and req.messages is not None and len(prompt) + self.room(req) > self.limit:
             return self._truncated(req, prompt)
         if len(prompt) >= self.limit:
             raise self._refusal(req, len(prompt))
         return Fitted(req, prompt)
+
+    def rolling(self, req: m.GenerateRequest) -> Optional[Rolling]:
+        """The window of a request that rolls past the context (None: it ends there)."""
+        return Rolling(self.limit, ROLLING_KEEP) if self.policy(req) == "rolling" else None
 
     def room(self, req: m.GenerateRequest) -> int:
         """Tokens truncation leaves for the answer: max_tokens, at most half the context."""

@@ -9,6 +9,7 @@ the one MLX thread and returns the events it produced. worker/proc.py moves them
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from protocol import messages as m
 from worker import blas_threads, memory
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
 from worker.batch.runner import BatchRunner, play
-from worker.context import ContextPolicy, ContextRefused
+from worker.context import ContextPolicy, ContextRefused, rolling_refusal
 from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid
@@ -113,7 +114,7 @@ class Engine:
         self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
         self.context_limit = min(config.max_context or lm.context_limit, lm.context_limit)
         self.context = ContextPolicy(self.context_limit, config.context_overflow, self._render,
-                                     lambda text: len(lm.tokenizer.encode(text)))
+                                     lambda text: len(lm.tokenizer.encode(text)), rolling_refusal(lm.model))
 
     def _make_runner(self) -> BatchRunner:
         draft = self.draft.model if self.draft else None
@@ -236,11 +237,15 @@ class Engine:
     def _emit(self, r: QueuedRequest, outcome: RowOutcome, events: list) -> None:
         if r.phase == Phase.DONE:
             return
-        if self.emitter.tokens(r, outcome, events, self.context_limit):
+        if self.emitter.tokens(r, outcome, events, self._end(r.req)):
             r.phase = advance(r.phase, Phase.DONE)
 
     def _tokens_left(self, r: QueuedRequest) -> int:
-        return min(r.req.max_tokens - len(r.tokens), self.context_limit - len(r.prompt) - len(r.tokens))
+        return min(r.req.max_tokens - len(r.tokens), self._end(r.req) - len(r.prompt) - len(r.tokens))
+
+    def _end(self, req: m.GenerateRequest) -> int:
+        """Where a request's answer ends at the latest: the context's end, or never (rolling)."""
+        return self.context_limit if self.context.rolling(req) is None else sys.maxsize
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:
@@ -266,7 +271,7 @@ class Engine:
 
     def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
         """Bytes a request's caches may take: its prompt and max_tokens, within the context."""
-        tokens = min(len(prompt) + req.max_tokens, self.context_limit)
+        tokens = min(len(prompt) + req.max_tokens, self._end(req))
         cost = self.cache_cost + self.draft_cost if req.mode == "joint" else self.cache_cost
         return cost.worst_case(tokens)
 
@@ -299,7 +304,8 @@ class Engine:
             sampling.processors.append(self.grammars.processor(r.grammar))
         joint = req.mode == "joint"
         chooser, acceptor = self.controls(r.id, r.prompt) if self.controls and joint else (None, None)
-        row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor)
+        row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor,
+                  rolling=self.context.rolling(req))
         s = reuse.restored(r.plan, r.prompt, joint) if reuse else Start()
         if reuse:
             row.boundaries = reuse.boundaries(r.plan, s.pos, len(r.prompt))
@@ -332,6 +338,8 @@ class Engine:
     def _keep_generation(self, r: QueuedRequest) -> None:
         """A snapshot of what the finished request's caches hold (the prompt and its answer)."""
         if r.id not in self.runner.rows or self.runner.rows[r.id].phase != Phase.DECODE:
+            return
+        if len(r.prompt) + len(r.tokens) > self.context_limit:  # rolled past the context: no prompt starts so
             return
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))

@@ -33,7 +33,6 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
-from worker.context import unsupported
 from worker.residency import Residency
 from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
@@ -305,10 +304,6 @@ def run_worker(argv: list[str] | None = None) -> int:
     except AdapterError as e:
         log.error("%s", e)
         return 3
-    problem = context_problem(args, lm.context_limit)
-    if problem:
-        log.error("%s", problem)
-        return 3
     draft = None
     if args.draft:
         try:
@@ -317,6 +312,10 @@ def run_worker(argv: list[str] | None = None) -> int:
             log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
             return 3
     engine = build_engine(args, lm, draft)
+    problem = context_problem(args, lm.context_limit, engine)
+    if problem:
+        log.error("%s", problem)
+        return 3
     engine.warmup()
     if args.prefix_cache:
         engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
@@ -361,11 +360,11 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
                                draft.model if draft else None, args.cache_dir)
 
 
-def context_problem(args: argparse.Namespace, model_limit: int) -> Optional[str]:
-    """What the context flags ask that this model or engine cannot give."""
+def context_problem(args: argparse.Namespace, model_limit: int, engine: Engine) -> Optional[str]:
+    """What the context flags ask that this model cannot give."""
     if args.max_context is not None and not 2 <= args.max_context <= model_limit:
         return f"--max-context {args.max_context} is outside [2, {model_limit}] (this model's own limit)"
-    return unsupported(args.context_overflow)
+    return engine.context.rolling_refused if args.context_overflow == "rolling" else None
 
 
 def _reload(args: argparse.Namespace) -> tuple[LoadedModel, Optional[LoadedModel]]:
