@@ -109,3 +109,36 @@ def test_idle_unload_frees_memory_and_reloads_for_concurrent_requests(big):
               f"the slowest first token {ttft:.2f} s (the load counted); reloaded VmRSS {rss_mb(pid):.0f} MiB")
         assert ttft >= m["verity:model_load_seconds_total"] / m["verity:model_loads_total"] * 0.5
     assert stack.exit_code == 0, stack.log()
+
+
+def test_unload_and_reload_keep_a_joint_engine_exact(tiny_llama, tmp_path):
+    """In one process: a target and its draft emptied and read again answer as before, joint too."""
+    import mlx.core as mx
+
+    from protocol import messages as m
+    from worker.engine import Engine, EngineConfig
+    from worker.loader import load_draft, load_model
+    from worker.residency import Residency
+
+    draft_dir = build_tiny_model(tmp_path / "draft", "llama", seed=1, perturb_from=tiny_llama, noise=0.3)
+    load = lambda: (lambda lm: (lm, load_draft(str(draft_dir), lm)))(load_model(str(tiny_llama)))  # noqa: E731
+    target, draft = load()
+    engine = Engine(target, EngineConfig(max_active=4), draft=draft)
+    residency = Residency(engine, load, idle_s=60)
+
+    def run(mode: str, rid: str) -> list[int]:
+        req = m.GenerateRequest(messages=[m.Message("user", "hello world")], max_tokens=24, temperature=0.0,
+                                ignore_eos=True, mode=mode)
+        engine.submit(rid, req)
+        residency.ensure_loaded()
+        out = []
+        while engine.has_work():
+            out += [t for ev in engine.step() if isinstance(ev, m.TextDelta) for t in ev.token_ids]
+        return out
+
+    before = [run("baseline", "b0"), run("joint", "j0")]
+    held = mx.get_active_memory()
+    residency.unload()
+    assert residency.state == "unloaded" and mx.get_active_memory() < held / 4
+    assert [run("baseline", "b1"), run("joint", "j1")] == before
+    assert (residency.state, residency.loads, residency.unloads) == ("loaded", 1, 1)

@@ -347,10 +347,10 @@ class Engine:
     def release_memory(self) -> None:
         """Idle unload (worker/residency.py), on an empty batch: the weights emptied in place, the
         slot caches and in-memory reuse snapshots dropped."""
+        self.runner = None  # its slot caches (and a CUDA draft kernel's packed weights) go; adopt_weights makes one
         for lm in (self.lm, self.draft):
             if lm is not None:
                 empty_weights(lm.model)
-        self.runner = self._make_runner()  # fresh slot caches: the old slabs are freed
         if self.reuse:
             self.reuse.release_memory()
 
