@@ -74,8 +74,9 @@ def model_state(stack) -> str:
     return get_json(stack.url + "/v1/verity/info")["model_state"]
 
 
-def test_idle_unload_frees_memory_and_reloads_for_concurrent_requests(big):
-    with Stack(str(big), "--idle-unload-s", str(IDLE_S), "--cache-bytes", "64M") as stack:
+def test_idle_unload_frees_memory_and_reloads_for_concurrent_requests(big, tmp_path):
+    spill = ("--cache-dir", str(tmp_path / "spill"))  # spilled snapshots outlive the unload, in their files
+    with Stack(str(big), "--idle-unload-s", str(IDLE_S), "--cache-bytes", "64M", *spill) as stack:
         prompts = ["hello world", "the quick brown fox", "tell me a story", "what is the capital"]
         before = {p: answer(stack, p)["choices"][0]["message"]["content"] for p in prompts}
         pid = stack.worker_pid()
@@ -99,6 +100,7 @@ def test_idle_unload_frees_memory_and_reloads_for_concurrent_requests(big):
             after = dict(zip(prompts, pool.map(lambda p: answer(stack, p), prompts)))
         took = time.perf_counter() - t0
         assert {p: a["choices"][0]["message"]["content"] for p, a in after.items()} == before
+        assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in after.values())
         assert stack.worker_pid() == pid  # the same worker: nothing restarted it
         stack.settled()
         m = metrics(stack.url)  # it may have unloaded again since: idle for IDLE_S
