@@ -33,8 +33,8 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
-from worker.residency import Residency
 from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
+from worker.residency import Residency
 from worker.state.reuse import PrefixCache
 
 log = logging.getLogger("verity.worker")
