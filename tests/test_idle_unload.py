@@ -144,3 +144,27 @@ def test_unload_and_reload_keep_a_joint_engine_exact(tiny_llama, tmp_path):
     assert residency.state == "unloaded" and mx.get_active_memory() < held / 4
     assert [run("baseline", "b1"), run("joint", "j1")] == before
     assert (residency.state, residency.loads, residency.unloads) == ("loaded", 1, 1)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--idle-unload-s", "0"], "must be above 0"),
+    (["--idle-unload-s", "30", "--ranks", "2"], "not a distributed group"),
+    (["--adapter-path", "a", "--ranks", "2"], "not a distributed group"),
+    (["--max-context", "1"], "at least 2")])
+def test_launch_stack_refuses_memory_flags_it_cannot_serve(argv, says, capsys):
+    from cli.launch import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 1 and says in capsys.readouterr().err
+
+
+def test_launch_stack_passes_memory_flags_to_the_worker(tmp_path):
+    from cli.launch import parse_args
+    from cli.memory_flags import worker_memory_args
+
+    a = parse_args(["--idle-unload-s", "30", "--adapter-path", str(tmp_path), "--max-context", "512",
+                    "--context-overflow", "truncate-middle"])
+    assert worker_memory_args(a) == ["--context-overflow", "truncate-middle", "--idle-unload-s", "30.0",
+                                     "--adapter-path", str(tmp_path), "--max-context", "512"]
+    assert worker_memory_args(parse_args([])) == []
