@@ -28,6 +28,7 @@ from cache_service.dirlock import DirLock, DirLocked
 from cli.blas import blas_env
 from cli.config import ArgumentParser, parse_with_config
 from cli.ranks import GroupError, GroupPlan, RankGroup, add_group_flags, plan_from_args
+from cli.memory_flags import add_memory_flags, memory_flag_problem, worker_memory_args
 from cli.launch_checks import CheckFailed, Heartbeat, raise_open_file_limit, resolve_api_key
 from gateway.guard import exposure_warning
 from protocol import codec, messages as m, runtime
@@ -106,9 +107,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None,
                    help="spill snapshots to files here (mode 0700) so reuse survives a worker restart")
     add_group_flags(p)
+    add_memory_flags(p)
     a = parse_with_config(p, argv)
-    problem = sampling_flag_problem(a)
-    if problem:
+    if problem := sampling_flag_problem(a) or memory_flag_problem(a):
         p.error(problem)
     return a
 
@@ -201,7 +202,7 @@ class Supervisor:
                                   *(["--prefill-step", str(a.prefill_step)] if a.prefill_step else []),
                                   "--recovery", a.recovery, *(["--draft", a.draft] if a.draft else []),
                                   *(["--draft-budget", str(a.draft_budget)] if a.draft_budget is not None else []),
-                                  *sampling_flags(a),
+                                  *sampling_flags(a), *worker_memory_args(a),
                                   *(["--decision-log", a.decision_log] if a.decision_log else []),
                                   *(["--prefix-cache"] if a.cache_bytes else []),
                                   *(["--cache-dir", os.path.abspath(a.cache_dir)] if a.cache_bytes and a.cache_dir else [])],

@@ -154,6 +154,9 @@ def _processes(s: dict, now: float, stale: bool) -> Table:
     t.add_row("gateway", str(gw["pid"]), up(not stale and not gw["draining"], "draining" if gw["draining"] else "up"),
               f"uptime {_age(s['time'] - gw['started_at'])}, capacity {gw['capacity']}")
     wdetail = f"restarts {gw['worker_restarts']}" + (f", stats {now - ws['time']:.1f}s old" if ws else "")
+    if ws and (ws.get("model_unloads_total") or ws.get("model_state", "loaded") != "loaded"):  # idle unload
+        wdetail += (f", model {ws['model_state']} "
+                    f"(unloads {ws['model_unloads_total']} · loads {ws['model_loads_total']})")
     t.add_row("worker", str(w["pid"]) if w else NONE, up(bool(w), "ready" if w else "down"), wdetail)
     for r in (ws or {}).get("ranks", []):  # a distributed worker: its group moves as one
         t.add_row(f"  rank {r['rank']}", str(r["pid"]), up(bool(w), "up" if w else "down"), f"on {r['host']}")

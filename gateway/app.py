@@ -430,7 +430,8 @@ async def health(request: web.Request) -> web.Response:
         "worker": None if stats is None else {"active": stats.active, "queue_depth": stats.queue_depth,
                                               "tokens_per_s": stats.tokens_per_s, "time": stats.time,
                                               "requests_total": stats.requests_total,
-                                              "requests_finished": stats.requests_finished},
+                                              "requests_finished": stats.requests_finished,
+                                              "model_state": stats.model_state},
     }
     return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 

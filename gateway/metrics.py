@@ -177,6 +177,11 @@ def render(c: Counters, *, model: Optional[str], draft: Optional[str], worker_up
     e.one("cache_bytes", "gauge", "Bytes of reusable snapshots held (0 when no cache service).", s.cache_bytes or 0)
     e.one("cache_queries_total", "counter", "Cache lookups by the worker.", s.cache_lookups)
     e.one("cache_hits_total", "counter", "Cache lookups that found a reusable prefix.", s.cache_hits)
+    e.one("model_loaded", "gauge", "1 while the model's weights are in memory (--idle-unload-s frees them).",
+          int(s.model_state == "loaded"))
+    e.one("model_unloads_total", "counter", "Idle unloads of the model since the worker started.", s.model_unloads_total)
+    e.one("model_loads_total", "counter", "Reloads of the model after an idle unload.", s.model_loads_total)
+    e.one("model_load_seconds_total", "counter", "Time those reloads took.", s.model_load_s_total)
     e.family("worker_rank_up", "gauge", "1 for each rank of a distributed worker while it serves.",
              [({"rank": str(r.rank), "pid": str(r.pid), "host": r.host}, int(worker_up)) for r in s.ranks])
     return e.text()

@@ -10,7 +10,7 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import msgspec
 from aiohttp import web
@@ -77,7 +77,15 @@ class Surfaces:
             "served_model_names": [w["model"], *self.aliases] if w else [],
             "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
             "thinks": w.get("thinks", False), "max_thinking_tokens": w.get("max_thinking_tokens"),
+            "model_state": self.model_state(),
         })
+
+    def model_state(self) -> Optional[str]:
+        """The worker's weights: "loaded", "unloaded" (--idle-unload-s) or "loading"; None without a worker."""
+        snap = self.link.worker_stats
+        if self.link.worker is None:
+            return None
+        return snap.model_state if snap is not None and snap.pid == self.link.worker.pid else "loaded"
 
     def _load(self) -> tuple[int, int]:
         """(running, waiting) among the admitted requests."""

@@ -14,6 +14,7 @@ PROTOCOL_VERSION = 1
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 Mode = Literal["baseline", "joint"]
+ContextOverflow = Literal["refuse", "truncate-middle", "rolling"]  # docs/memory.md
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -172,6 +173,7 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     thinking: Optional[bool] = None  # a thinking model's think block: None the model's default (check_request resolves the aliases)
     max_thinking_tokens: Optional[Annotated[int, Meta(ge=0)]] = None  # tokens inside the think block, then it is closed
     ignore_eos: Optional[bool] = False
+    context_overflow: Optional[ContextOverflow] = None  # a request past the context (null: the server's --context-overflow)
 
 
 # ---- gateway -> worker ----
@@ -264,6 +266,8 @@ class RequestMetrics(Struct):
     recovery_s: float = 0.0
     budget_mean: float = 0.0
     reasoning_tokens: int = 0  # of completion_tokens, those inside a thinking model's think block
+    dropped_messages: int = 0  # context_overflow "truncate-middle": messages left out of the prompt
+    dropped_tokens: int = 0  # and the prompt tokens that took away
 
 
 class Queued(Struct, tag=True):
@@ -349,6 +353,9 @@ class RankStatus(Struct):
     host: str
 
 
+ModelState = Literal["loaded", "unloaded", "loading"]
+
+
 class StatsSnapshot(Struct, tag=True):
     process: str
     pid: int
@@ -375,6 +382,11 @@ class StatsSnapshot(Struct, tag=True):
     cache_reused_tokens: int = 0
     cache_evictions: int = 0
     ranks: list[RankStatus] = []  # a distributed worker's ranks (empty: one process)
+    # idle unload (--idle-unload-s): the weights' state and its changes since the worker started
+    model_state: ModelState = "loaded"
+    model_loads_total: int = 0  # reloads after an unload (the start's load is not counted)
+    model_unloads_total: int = 0
+    model_load_s_total: float = 0.0  # seconds those reloads took
 
 
 # ---- worker <-> cache service (DEALER -> ROUTER): snapshot metadata and the byte budget ----

@@ -36,6 +36,7 @@ class QueuedRequest:
     grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
     thinking: bool = False  # its generation starts inside a think block
+    dropped: tuple[int, int] = (0, 0)  # messages and prompt tokens its context policy left out
 
 
 class Emitter:
@@ -111,6 +112,7 @@ class Emitter:
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
             reasoning_tokens=thinking.reasoning_tokens(self.think, r.thinking, r.tokens),
+            dropped_messages=r.dropped[0], dropped_tokens=r.dropped[1],
         )
         s = r.row.stats if r.row is not None else None
         if s is not None:

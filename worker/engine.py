@@ -9,6 +9,7 @@ the one MLX thread and returns the events it produced. worker/proc.py moves them
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 import time
 from collections import deque
@@ -23,11 +24,13 @@ from protocol import messages as m
 from worker import blas_threads, memory, thinking
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
 from worker.batch.runner import BatchRunner, play
+from worker.context import ContextPolicy, ContextRefused, rolling_refusal
 from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid
 from worker.joint.sampling import make_key_fn
 from worker.loader import LoadedModel
+from worker.residency import empty_weights
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import POSITIONS, Scheduler
 from worker.state.reuse import Held, PrefixCache, Start
@@ -44,6 +47,8 @@ class EngineConfig:
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
+    max_context: Optional[int] = None  # tokens of prompt and answer at most (None: the model's limit)
+    context_overflow: str = "refuse"  # a request past it, unless it asks otherwise (worker/context.py)
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
     max_thinking_tokens: Optional[int] = None  # a thinking model's think block is closed after this many (None: never)
 
@@ -70,6 +75,8 @@ def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
     parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
     if lm.sharding:  # a distributed group's shards: world size and how the model is split
         parts.append(lm.sharding)
+    if lm.adapter:  # a LoRA adapter changes every state the weights make
+        parts.append(f"adapter={lm.adapter}")
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
@@ -95,8 +102,7 @@ class Engine:
         self._active: list[QueuedRequest] = []
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
-        self.runner = BatchRunner(lm.model, draft.model if draft else None, config.prefill_step, config.recovery,
-                                  fast_draft.where_it_runs(draft.model) if draft else None)
+        self.runner = self._make_runner()
         self.cache_cost = memory.cache_cost(lm.model)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
@@ -108,6 +114,14 @@ class Engine:
         self.grammars = Compiler(lm.tokenizer)
         self.think = thinking.detect(lm.tokenizer, lm.chat_template)  # None: the model does not think
         self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id, self.think)
+        self.context_limit = min(config.max_context or lm.context_limit, lm.context_limit)
+        self.context = ContextPolicy(self.context_limit, config.context_overflow, self._render,
+                                     lambda text: len(lm.tokenizer.encode(text)), rolling_refusal(lm.model))
+
+    def _make_runner(self) -> BatchRunner:
+        draft = self.draft.model if self.draft else None
+        return BatchRunner(self.lm.model, draft, self.config.prefill_step, self.config.recovery,
+                           fast_draft.where_it_runs(draft) if draft is not None else None)
 
     # ---- any thread ----
 
@@ -124,7 +138,11 @@ class Engine:
             sampling_for(req, self.config.defaults, self.vocab_size)  # fills omitted fields; checks token ids
         except SamplingInvalid as e:
             raise RequestError("invalid_token_id", str(e), param=e.param) from None
-        prompt = self._prompt(req)
+        try:
+            fitted = self.context.fit(req)
+        except ContextRefused as e:
+            raise RequestError(e.code, e.message, param=e.param) from None
+        req, prompt = fitted.req, fitted.prompt
         need = self._worst_case(req, prompt)
         if need > self.kv_budget:
             raise RequestError(
@@ -135,10 +153,10 @@ class Engine:
         grammar = self._grammar(req)
         inside = req.messages is not None and thinking.starts_inside(self.think, prompt)
         self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar,
-                                    thinking=inside))
+                                    thinking=inside, dropped=(fitted.dropped_messages, fitted.dropped_tokens)))
         return m.Queued(request_id, len(prompt), inside)
 
-    def _prompt(self, req: m.GenerateRequest) -> list[int]:
+    def _render(self, req: m.GenerateRequest) -> list[int]:
         try:
             prompt = render_prompt(self.lm.tokenizer, req, self.vocab_size)
         except PromptInvalid as e:
@@ -147,11 +165,6 @@ class Engine:
             raise RequestError("invalid_prompt", f"the prompt could not be rendered: {e}", param="messages") from None
         if not prompt:
             raise RequestError("invalid_prompt", "the prompt is empty after tokenization", param="prompt")
-        if len(prompt) >= self.lm.context_limit:
-            raise RequestError(
-                "context_length_exceeded",
-                f"the prompt has {len(prompt)} tokens; this model's context limit is {self.lm.context_limit}",
-                param="messages" if req.messages is not None else "prompt")
         return prompt
 
     def _enqueue(self, r: QueuedRequest) -> None:
@@ -176,6 +189,9 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._cancels)
+
+    def has_requests(self) -> bool:
+        return bool(self._active or self._waiting)
 
     def active_count(self) -> int:
         return len(self._active)
@@ -228,11 +244,15 @@ class Engine:
     def _emit(self, r: QueuedRequest, outcome: RowOutcome, events: list) -> None:
         if r.phase == Phase.DONE:
             return
-        if self.emitter.tokens(r, outcome, events, self.lm.context_limit):
+        if self.emitter.tokens(r, outcome, events, self._end(r.req)):
             r.phase = advance(r.phase, Phase.DONE)
 
     def _tokens_left(self, r: QueuedRequest) -> int:
-        return min(r.req.max_tokens - len(r.tokens), self.lm.context_limit - len(r.prompt) - len(r.tokens))
+        return min(r.req.max_tokens - len(r.tokens), self._end(r.req) - len(r.prompt) - len(r.tokens))
+
+    def _end(self, req: m.GenerateRequest) -> int:
+        """Where a request's answer ends at the latest: the context's end, or never (rolling)."""
+        return self.context_limit if self.context.rolling(req) is None else sys.maxsize
 
     def _apply_cancels(self, events: list) -> None:
         with self._lock:
@@ -258,7 +278,7 @@ class Engine:
 
     def _worst_case(self, req: m.GenerateRequest, prompt: list[int]) -> int:
         """Bytes a request's caches may take: its prompt and max_tokens, within the context."""
-        tokens = min(len(prompt) + req.max_tokens, self.lm.context_limit)
+        tokens = min(len(prompt) + req.max_tokens, self._end(req))
         cost = self.cache_cost + self.draft_cost if req.mode == "joint" else self.cache_cost
         return cost.worst_case(tokens)
 
@@ -294,7 +314,8 @@ class Engine:
         sampling.processors += answer  # last: no processor after it re-allows a token
         joint = req.mode == "joint"
         chooser, acceptor = self.controls(r.id, r.prompt) if self.controls and joint else (None, None)
-        row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor)
+        row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor,
+                  rolling=self.context.rolling(req))
         s = reuse.restored(r.plan, r.prompt, joint) if reuse else Start()
         if reuse:
             row.boundaries = reuse.boundaries(r.plan, s.pos, len(r.prompt))
@@ -328,15 +349,34 @@ class Engine:
         """A snapshot of what the finished request's caches hold (the prompt and its answer)."""
         if r.id not in self.runner.rows or self.runner.rows[r.id].phase != Phase.DECODE:
             return
+        if len(r.prompt) + len(r.tokens) > self.context_limit:  # rolled past the context: no prompt starts so
+            return
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
+
+    def release_memory(self) -> None:
+        """Idle unload (worker/residency.py), on an empty batch: the weights emptied in place, the
+        slot caches and in-memory reuse snapshots dropped."""
+        self.runner = None  # its slot caches (and a CUDA draft kernel's packed weights) go; adopt_weights makes one
+        for lm in (self.lm, self.draft):
+            if lm is not None:
+                empty_weights(lm.model)
+        if self.reuse:
+            self.reuse.release_memory()
+
+    def adopt_weights(self, lm: LoadedModel, draft: Optional[LoadedModel]) -> None:
+        """The weights of a model loaded again, set into the served modules."""
+        for mine, new in ((self.lm, lm), (self.draft, draft)):
+            if mine is not None:
+                mine.model.update(new.model.parameters())
+        self.runner = self._make_runner()
 
     def warm_forwards(self) -> None:
         """Every forward width a round may use, once (a distributed group's every rank runs it, in
         step: the forwards meet in the same collectives)."""
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
         with mx.stream(generation_stream):
-            self.runner.warm(self._prompt(req) * 16, POSITIONS + 1)
+            self.runner.warm(self._render(req) * 16, POSITIONS + 1)
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""

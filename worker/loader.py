@@ -12,11 +12,13 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 log = logging.getLogger("verity.worker")
 
 EMBEDDED = "embedded"
 DEFAULT_CONTEXT_LIMIT = 4096
+ADAPTER_LEAVES = ("lora_a", "lora_b", "m")  # what mlx-lm's LoRA and DoRA layers add
 
 
 @dataclass
@@ -29,6 +31,7 @@ class LoadedModel:
     context_limit: int
     chat_template: Optional[str]
     sharding: str = ""  # a distributed group's split, e.g. "tensor/2" ("": the whole model)
+    adapter: str = ""  # a LoRA adapter on the weights: "name@hash of its files" ("": none)
 
 
 def on_gpu() -> bool:
@@ -56,9 +59,17 @@ def untested_versions() -> list[str]:
 
 
 def load_model(spec: str = EMBEDDED, float_weights: bool = False,
-               shard: Optional[Callable[[nn.Module], str]] = None) -> LoadedModel:
+               shard: Optional[Callable[[nn.Module], str]] = None, adapter_path: Optional[str] = None) -> LoadedModel:
     """`float_weights`: the embedded model dequantized even on a GPU (the distillation copies its layers).
-    `shard(model) -> sharding`: splits the model for a distributed group before its weights load."""
+    `shard(model) -> sharding`: splits the model for a distributed group before its weights load.
+    `adapter_path`: a LoRA adapter in mlx-lm's format, applied to the model (its id names it)."""
+    lm = _load_base(spec, float_weights, shard)
+    if adapter_path:
+        apply_adapter(lm, Path(adapter_path).expanduser())
+    return lm
+
+
+def _load_base(spec: str, float_weights: bool, shard: Optional[Callable[[nn.Module], str]]) -> LoadedModel:
     for found in untested_versions():
         log.warning("%s is outside the releases verity is tested with (%s)", found,
                     ", ".join(f"{n} {a[0]}.{a[1]}.x" for n, (a, _) in TESTED.items()))
@@ -111,6 +122,42 @@ def _load_folder(path: Path, model_id: str, shard: Optional[Callable[[nn.Module]
         chat_template=getattr(tokenizer, "chat_template", None),
         sharding=sharding,
     )
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be applied to the model."""
+
+
+def apply_adapter(lm: LoadedModel, path: Path) -> None:
+    """mlx-lm's LoRA layers with the adapter's weights (its public `load_adapters`), in the
+    model's own float dtype; the model's id becomes `model+adapter`."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    if not (path / "adapter_config.json").is_file() or not (path / "adapters.safetensors").is_file():
+        raise AdapterError(f"{path} is not an mlx-lm adapter: it needs adapter_config.json and adapters.safetensors")
+    try:
+        load_adapters(lm.model, str(path))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AdapterError(f"the adapter at {path} does not fit {lm.model_id}: {e}") from None
+    params = tree_flatten(lm.model.parameters())
+    lora = {k for k, _ in params if k.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
+    dtype = next(v.dtype for k, v in params if mx.issubdtype(v.dtype, mx.floating) and k not in lora)
+    lm.model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in params if k in lora]))
+    lm.model.eval()
+    mx.eval(lm.model.parameters())
+    lm.adapter = f"{path.resolve().name}@{adapter_identity(path)}"
+    lm.model_id = f"{lm.model_id}+{path.resolve().name}"
+
+
+def adapter_identity(path: Path) -> str:
+    """Hash of the adapter's config and weights, whole (an adapter is small; two of the same
+    shapes differ only in their values)."""
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        with open(path / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
 
 
 class PairingError(ValueError):
@@ -169,8 +216,6 @@ def _context_limit(config: dict) -> int:
 
 
 def _dtype_of(model: nn.Module) -> str:
-    from mlx.utils import tree_flatten
-
     return str(tree_flatten(model.parameters())[0][1].dtype).replace("mlx.core.", "")
 
 

@@ -23,8 +23,9 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, get_args
 
+import msgspec
 import zmq
 
 from protocol import codec, messages as m, runtime
@@ -32,7 +33,8 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
-from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
+from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
+from worker.residency import Residency
 from worker.state.reuse import PrefixCache
 from worker.text import PromptInvalid, tokenize
 
@@ -86,8 +88,9 @@ def prompt_bytes(req: m.GenerateRequest) -> int:
 
 
 class WorkerProc:
-    def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str):
+    def __init__(self, engine: Engine, lm: LoadedModel, runtime_dir: str, residency: Optional[Residency] = None):
         self.draft = engine.draft
+        self.residency = residency or Residency(engine, lambda: (lm, engine.draft), None)
         self.engine, self.lm, self.pid = engine, lm, os.getpid()
         self.ctx = zmq.Context()
         self.runtime_dir = runtime_dir
@@ -100,7 +103,7 @@ class WorkerProc:
         self._known = threading.Lock()  # orders a job's arrival against its cancel
         token_bytes = max_token_bytes(lm.tokenizer)
         # tokens >= bytes / token_bytes; twice that leaves room for normalizers that shrink text
-        self.max_prompt_bytes = 2 * token_bytes * lm.context_limit if token_bytes else None
+        self.max_prompt_bytes = 2 * token_bytes * engine.context_limit if token_bytes else None
 
     def _socket(self, kind: int, name: str, bind: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -112,7 +115,7 @@ class WorkerProc:
     def ready_message(self) -> m.Ready:
         return m.Ready(
             process="worker", pid=self.pid, model_id=self.lm.model_id,
-            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
+            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.engine.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
             thinks=self.engine.think is not None, max_thinking_tokens=self.engine.config.max_thinking_tokens,
@@ -150,7 +153,10 @@ class WorkerProc:
             if not self.engine.wait_for_work(IDLE_WAIT_S):
                 if self.engine.reuse:
                     self.engine.reuse.heartbeat()
+                self.residency.tick()
                 continue
+            if self.engine.has_requests():  # a cancel alone needs no weights
+                self.residency.ensure_loaded()
             events = self.engine.step()
             if events:
                 self.outbox.put(m.EventBatch(self.pid, events))
@@ -238,10 +244,12 @@ class WorkerProc:
     def _check_length(self, req: m.GenerateRequest) -> None:
         """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""
         size = prompt_bytes(req)
+        if req.messages is not None and self.engine.context.policy(req) == "truncate-middle":
+            return  # its middle messages may be dropped (the body's size bounds it)
         if self.max_prompt_bytes and size > self.max_prompt_bytes:
             raise RequestError(
                 "context_length_exceeded",
-                f"the prompt has {size} bytes of text, more than this model's context of {self.lm.context_limit} "
+                f"the prompt has {size} bytes of text, more than this server's context of {self.engine.context_limit} "
                 f"tokens can hold", param="messages" if req.messages is not None else "prompt")
 
     def _control_loop(self) -> None:
@@ -271,7 +279,8 @@ class WorkerProc:
     def _stats_loop(self) -> None:
         sock = self._socket(zmq.PUB, runtime.WORKER_STATS, bind=True)
         while not self.stopping.wait(STATS_INTERVAL_S):
-            sock.send(codec.encode(self.engine.stats(self.pid)))
+            snap = msgspec.structs.replace(self.engine.stats(self.pid), **self.residency.fields())
+            sock.send(codec.encode(snap))
         sock.close()
 
 
@@ -292,6 +301,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
     p.add_argument("--cache-dir", default=None, help="spill snapshots here (survive a worker restart)")
+    p.add_argument("--idle-unload-s", type=float, default=None, help="free the model after this long idle")
+    p.add_argument("--adapter-path", default=None, help="a LoRA adapter (mlx-lm's format) on the model")
+    p.add_argument("--max-context", type=int, default=None, help="tokens a request may fill (default: the model's)")
+    p.add_argument("--context-overflow", choices=get_args(m.ContextOverflow), default="refuse")
     return p.parse_args(argv)
 
 
@@ -299,7 +312,11 @@ def run_worker(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     runtime.watch_parent(lambda: os._exit(1))
-    lm = _load_with_progress(args.model)
+    try:
+        lm = _load_with_progress(args.model, lambda: load_model(args.model, adapter_path=args.adapter_path))
+    except AdapterError as e:
+        log.error("%s", e)
+        return 3
     draft = None
     if args.draft:
         try:
@@ -308,10 +325,14 @@ def run_worker(argv: list[str] | None = None) -> int:
             log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
             return 3
     engine = build_engine(args, lm, draft)
+    problem = context_problem(args, lm.context_limit, engine)
+    if problem:
+        log.error("%s", problem)
+        return 3
     engine.warmup()
     if args.prefix_cache:
         engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
-    proc = WorkerProc(engine, lm, args.runtime_dir)
+    proc = WorkerProc(engine, lm, args.runtime_dir, Residency(engine, lambda: _reload(args), args.idle_unload_s))
     signal.signal(signal.SIGTERM, lambda *_: proc.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: proc.stopping.set())
     return proc.run()
@@ -326,6 +347,7 @@ def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> Engin
                         draft_budget=args.draft_budget, recovery=args.recovery,
                         decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
                         prefill_step=args.prefill_step or memory.default_prefill_step(),
+                        max_context=args.max_context, context_overflow=args.context_overflow,
                         defaults=sampling_defaults(args), max_thinking_tokens=args.max_thinking_tokens)
 
 
@@ -349,6 +371,19 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
         return None
     return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), cache_identity(lm, draft_id), lm,
                                draft.model if draft else None, args.cache_dir)
+
+
+def context_problem(args: argparse.Namespace, model_limit: int, engine: Engine) -> Optional[str]:
+    """What the context flags ask that this model cannot give."""
+    if args.max_context is not None and not 2 <= args.max_context <= model_limit:
+        return f"--max-context {args.max_context} is outside [2, {model_limit}] (this model's own limit)"
+    return engine.context.rolling_refused if args.context_overflow == "rolling" else None
+
+
+def _reload(args: argparse.Namespace) -> tuple[LoadedModel, Optional[LoadedModel]]:
+    """The target and draft read again (idle unload's reload)."""
+    lm = load_model(args.model, adapter_path=args.adapter_path)
+    return lm, load_draft(args.draft, lm) if args.draft else None
 
 
 def _load_with_progress(spec: str, load=None) -> LoadedModel:

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
+from worker.batch.slots import Rolling
 from worker.sampling import Chosen, RowSampling
 
 
@@ -113,6 +114,7 @@ class Row:
     chooser: Optional[Chooser] = None  # the draft's choice (benchmarks: by construction)
     acceptor: Optional[Acceptor] = None  # the verify's acceptance (benchmarks: by construction)
     drafted_once: bool = False
+    rolling: Optional[Rolling] = None  # decodes past the context over a window (worker/batch/slots.py)
 
     def __post_init__(self):
         if not self.seq:

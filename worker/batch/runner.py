@@ -132,10 +132,10 @@ class BatchRunner:
         cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
         row.fed, row.seq = cached, list(row.prompt[:-1])
         self.rows[row.id] = row
-        self.target.add(row.id, cache, cached)
+        self.target.add(row.id, cache, cached, row.rolling)
         if row.joint:
             row.draft_fed = min(draft_cached, cached) if draft_cache is not None else 0
-            self.draft.add(row.id, draft_cache, row.draft_fed)
+            self.draft.add(row.id, draft_cache, row.draft_fed, row.rolling)
             row.stats = row.stats or CycleStats()
 
     def leave(self, rid: str) -> None:

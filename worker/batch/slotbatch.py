@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from worker.batch.slots import KVView, SlotArrays, SlotKV, Span, StateView
+from worker.batch.slots import KVView, Rolling, SlotArrays, SlotKV, Span, StateView
 
 Forward = Callable[[mx.array, list], mx.array]  # (tokens [B, W], caches) -> logits [B, W, V]
 
@@ -60,13 +60,16 @@ class SlotBatch:
         self.order: list[str] = []  # rows by slot, as wanted
         self._held: list[str] = []  # rows by slot, as the arrays hold them
         self._fresh: dict[str, Optional[list]] = {}  # joining rows' starting caches (None: empty)
+        self.rolling: dict[str, Rolling] = {}  # rows that decode past the context over a window
 
     # ---- membership ----
 
-    def add(self, rid: str, cache: Optional[list] = None, length: int = 0) -> None:
+    def add(self, rid: str, cache: Optional[list] = None, length: int = 0, rolling: Optional[Rolling] = None) -> None:
         """A row joins at the end, from mlx-lm caches holding `length` tokens (None: empty)."""
         if rid in self.lengths:
             raise ValueError(f"row {rid} is in the batch already")
+        if rolling is not None:
+            self.rolling[rid] = rolling
         self.lengths[rid] = length if cache is not None else 0
         self.order.append(rid)
         self._fresh[rid] = cache
@@ -74,6 +77,7 @@ class SlotBatch:
     def remove(self, rid: str) -> None:
         if self.lengths.pop(rid, None) is None:
             return
+        self.rolling.pop(rid, None)
         self.order.remove(rid)
         self._fresh.pop(rid, None)
 
@@ -132,9 +136,10 @@ class SlotBatch:
         pos = mx.array(span.lengths)
         masks = None if min(widths) == tokens.shape[1] else mx.array(widths)  # padded rows keep their state
         views, before = [], []
+        rolling = [self.rolling.get(r) for r in ids] if self.rolling else None
         for layer in self.layers:
             if isinstance(layer, SlotKV):
-                views.append(KVView(layer, span, pos))
+                views.append(KVView(layer, span, pos, rolling if layer.window is None else None))
             else:
                 rows = layer.rows(span)
                 before.append(rows)

@@ -49,6 +49,20 @@ class Span:
         return len(set(self.lengths)) <= 1 and len(set(self.widths)) <= 1
 
 
+@dataclass(frozen=True)
+class Rolling:
+    """A row that decodes past the context over a sliding window (context_overflow "rolling"), as
+    mlx-lm's RotatingKVCache(max_size=window, keep=keep): a query sees the first `keep` positions
+    and the latest `window - keep` up to its own. The slab still holds every position: the mask
+    hides the others, so the row's memory is bounded by its max_tokens, not by the window."""
+
+    window: int
+    keep: int
+
+
+FAR = 1 << 30  # a reach no position attains: a row without a window
+
+
 class SlotKV:
     """One attention layer's keys and values for every slot. `window`: a sliding-window layer
     (mlx-lm's RotatingKVCache); the slab keeps every position and the mask hides the old ones."""
@@ -132,9 +146,11 @@ def _round(n: int) -> int:
 class KVView:
     """mlx-lm's attention-cache protocol over one forward's rows of a SlotKV."""
 
-    def __init__(self, slab: SlotKV, span: Span, offsets: mx.array):
+    def __init__(self, slab: SlotKV, span: Span, offsets: mx.array, rolling: Optional[list[Optional[Rolling]]] = None):
         self.slab, self.span, self.offset = slab, span, offsets
         self.upto = max(span.lengths) + span.width
+        past = rolling and any(r is not None and n + span.width > r.window for r, n in zip(rolling, span.lengths))
+        self.rolling = rolling if past else None  # only once a row's queries pass its window
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.slab.write(self.span, self.offset, keys, values)
@@ -144,13 +160,18 @@ class KVView:
         """Query i of row r (position length_r + i) sees keys at positions up to its own, and
         within the window on sliding layers."""
         window = window_size or self.slab.window
-        if self.span.even and window is None and not return_array and (n == 1 or n >= CAUSAL_FROM):
+        plain = window is None and self.rolling is None
+        if self.span.even and plain and not return_array and (n == 1 or n >= CAUSAL_FROM):
             return None if n == 1 else "causal"
         q = self.offset[:, None] + mx.arange(n)[None]  # [B, n]
         k = mx.arange(self.upto)
         mask = k[None, None, :] <= q[:, :, None]
         if window is not None:
             mask = mask & (k[None, None, :] > q[:, :, None] - window)
+        if self.rolling is not None:
+            keep = mx.array([r.keep if r else 0 for r in self.rolling])[:, None, None]
+            reach = mx.array([r.window - r.keep if r else FAR for r in self.rolling])[:, None, None]
+            mask = mask & ((k[None, None, :] < keep) | (k[None, None, :] > q[:, :, None] - reach))
         return mask[:, None]
 
     @property

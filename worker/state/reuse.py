@@ -178,6 +178,12 @@ class PrefixCache:
     def heartbeat(self) -> None:
         self.client.heartbeat()
 
+    def release_memory(self) -> None:
+        """Idle unload: no snapshot arrays stay in memory (spilled ones stay in their files)."""
+        gone = self.store.release_memory()
+        if gone:
+            self.client.drop(gone)
+
     def close(self) -> None:
         self.client.close()
         self.store.close()

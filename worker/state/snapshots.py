@@ -141,6 +141,19 @@ class SnapshotStore:
         if self.dir is not None:
             self.flush()
 
+    def release_memory(self) -> list[str]:
+        """Idle unload: spilled snapshots keep only their files (read again on use); the ids of
+        those that had none, dropped here, are returned for the cache service."""
+        if self.dir is not None:
+            self.flush()
+        with self._files:
+            gone = [i for i in self.snapshots if self.dir is None or not self._path(i).exists()]
+            for i in gone:
+                del self.snapshots[i]
+            for snap in self.snapshots.values():
+                snap.target = snap.draft = None
+        return gone
+
     def get(self, entry_id: str) -> Optional[Snapshot]:
         """The snapshot with its arrays (loaded from its file if need be); None if it is gone."""
         snap = self.snapshots.get(entry_id)
