@@ -56,6 +56,8 @@ class GatewayConfig:
     log_prompts: bool = False  # prompt text goes to the log only when asked for
     served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
     heartbeat_timeout_s: float = 10.0  # a worker silent this long makes /health 503
+    responses_max_count: int = 1000  # stored /v1/responses kept (gateway/response_store.py)
+    responses_max_bytes: int = 256 << 20
 
 
 class Gateway:
@@ -447,4 +449,6 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces = Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining)
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
+    from gateway import responses_api  # it imports this module's helpers
+    responses_api.routes(app)
     return app

@@ -20,7 +20,7 @@ from gateway.metrics import Counters, Exposition, render
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}

@@ -42,22 +42,28 @@ class RequestInvalid(Exception):
 
 def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     """JSON bytes -> a checked, normalized GenerateRequest, or RequestInvalid."""
+    return check_request(decode_body(body, _decoder), endpoint)
+
+
+def decode_body(body: bytes, decoder: msgspec.json.Decoder, unsupported: frozenset = UNSUPPORTED_FIELDS):
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (`unsupported`: the
+    top-level fields refused as not supported rather than unknown)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
         raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
     check_depth(body)
     try:
-        req = _decoder.decode(body)
+        req = decoder.decode(body)
     except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
+        raise validation_error(str(e), unsupported) from None
     except msgspec.DecodeError as e:
         raise RequestInvalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
     try:  # free-form JSON (a tool's schema, an ignored part's field) may hold what the wire cannot carry
         msgspec.msgpack.encode(req)
     except OverflowError:
         raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
-    return check_request(req, endpoint)
+    return req
 
 
 def json_depth(body: bytes) -> int:
@@ -78,14 +84,17 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
                              f"{limit} levels", code="json_too_deep")
 
 
-def _validation_error(text: str) -> RequestInvalid:
+def validation_error(text: str, unsupported: frozenset = UNSUPPORTED_FIELDS, prefix: str = "") -> RequestInvalid:
+    """msgspec's message -> a RequestInvalid naming the field; `prefix`: where the value checked sits."""
     path = _PATH_RE.search(text)
     param = (path.group(1).replace("[...]", "") if path else None) or None  # "[...]": a dict's value
+    if prefix:
+        param = prefix + ("" if not param else param if param.startswith("[") else "." + param)
     unknown = _UNKNOWN_RE.match(text)
     if unknown:
         name = unknown.group(1)
         full = f"{param}.{name}" if param else name
-        if not param and name in UNSUPPORTED_FIELDS:
+        if not param and name in unsupported:
             return RequestInvalid(f"`{name}` is not supported by verity", full, "unsupported_parameter")
         return RequestInvalid(f"unknown field `{full}`", full, "unknown_parameter")
     rule = _PATH_RE.sub("", text)
