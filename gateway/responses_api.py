@@ -25,7 +25,8 @@ from gateway.app import (GATEWAY, WRITE_GRACE_S, Gateway, _cut, _first_event, _n
                          _time_limit_message, _time_limit_reached, json_error, served_names)
 from gateway.link import QueueFull, Tracked
 from gateway.response_store import ResponseStore
-from gateway.responses_format import ResponseBuilder, event_type
+from gateway.responses_builder import ResponseBuilder
+from gateway.responses_format import event_type
 from gateway.sse import ClientStalled, SseWriter
 from protocol import messages as m
 from protocol.responses import Converted, ResponsesRequest, convert, parse_responses, responses_param

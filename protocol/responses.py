@@ -24,6 +24,8 @@ from protocol.schema import RequestInvalid, check_request, decode_body, validati
 Role = Literal["user", "assistant", "system", "developer"]
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+# OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
 # OpenAI fields verity does not implement: accepted only as null (top_logprobs: also 0)
 UNSUPPORTED = frozenset({"conversation", "prompt", "context_management", "max_tool_calls", "top_logprobs",
                          "moderation", "image", "background_options", "prompt_cache_options", "access_programs"})
@@ -44,7 +46,7 @@ Includable = Literal["reasoning.encrypted_content", "message.output_text.logprob
                      "code_interpreter_call.outputs", "computer_call_output.output.image_url"]
 
 
-class ContentPart(Struct, forbid_unknown_fields=True):
+class InputContentPart(Struct, forbid_unknown_fields=True):
     """A part of a message's content: text parts are served; image, file and audio parts are
     decoded only to be refused by name."""
 
@@ -64,7 +66,7 @@ class ContentPart(Struct, forbid_unknown_fields=True):
 
 class MessageItem(Struct, forbid_unknown_fields=True):
     role: Role
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[InputContentPart]]
     type: Literal["message"] = "message"
     id: Optional[str] = None
     status: Optional[str] = None
@@ -84,12 +86,12 @@ class FunctionCallItem(Struct, forbid_unknown_fields=True):
 class FunctionCallOutputItem(Struct, forbid_unknown_fields=True):
     type: Literal["function_call_output"]
     call_id: str
-    output: Union[str, list[ContentPart]]
+    output: Union[str, list[InputContentPart]]
     id: Optional[str] = None
     status: Optional[str] = None
 
 
-class ReasoningText(Struct, forbid_unknown_fields=True):
+class InputReasoningText(Struct, forbid_unknown_fields=True):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
@@ -99,8 +101,8 @@ class ReasoningItem(Struct, forbid_unknown_fields=True):
     templates drop earlier turns' thinking too)."""
 
     type: Literal["reasoning"]
-    summary: list[ReasoningText] = []
-    content: Optional[list[ReasoningText]] = None
+    summary: list[InputReasoningText] = []
+    content: Optional[list[InputReasoningText]] = None
     encrypted_content: Optional[str] = None
     id: Optional[str] = None
     status: Optional[str] = None
@@ -183,7 +185,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     store: Optional[bool] = None  # null: true, as OpenAI
     background: Optional[bool] = None
     previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
+    metadata: Optional[Metadata] = None
     include: Optional[list[Includable]] = None
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -298,7 +300,7 @@ def _item(raw: Any, i: int) -> InputItem:
                          f"{where}.type")
 
 
-def _text(content: Union[str, list[ContentPart]], where: str) -> str:
+def _text(content: Union[str, list[InputContentPart]], where: str) -> str:
     """Text parts joined by newlines; other parts refused by name."""
     if isinstance(content, str):
         return content
