@@ -191,7 +191,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
     shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req),
-                    logprobs=top_logprobs(req) is not None)
+                    logprobs=top_logprobs(req) is not None, thinks=bool(gw.link.worker and gw.link.worker.thinks))
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:
@@ -246,6 +246,8 @@ async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
         if isinstance(ev, m.TextDelta):
             parts.append(ev.text)
             logprobs.extend(ev.logprobs or [])
+        elif isinstance(ev, m.Queued):
+            shaper.queued(ev)
         elif isinstance(ev, m.Finished):
             return web.json_response(shaper.whole("".join(parts), ev, logprobs), headers={"X-Request-Id": t.id})
         elif isinstance(ev, m.Error):
@@ -275,7 +277,9 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
                     if ev is None:
                         await out.keepalive()
                         continue
-                if isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
+                if isinstance(ev, m.Queued):
+                    shaper.queued(ev)
+                elif isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
                     await out.event(chunk)
                 elif isinstance(ev, (m.Finished, m.Error)):
                     ended = True
@@ -335,7 +339,8 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
     except QueueFull:
         return _refuse(rid, 429, f"{len(choices)} choices do not fit in the queue now; retry later", "queue_full", retry=True)
     log.info("[%s] admitted %d choices (%s, stream=%s)", rid, len(choices), req.mode, req.stream)
-    rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req))
+    rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req),
+                          bool(gw.link.worker and gw.link.worker.thinks))
 
     def cancel() -> None:
         for t in tracked:

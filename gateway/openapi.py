@@ -56,11 +56,15 @@ class Usage(Struct):
 
 
 class AssistantMessage(Struct, omit_defaults=True):
-    """`content` is null when the reply is only tool calls (`finish_reason` "tool_calls")."""
+    """`content` is null when the reply is only tool calls (`finish_reason` "tool_calls"). A
+    thinking model's think block is in both `reasoning_content` and `reasoning` (the two names
+    clients read), never in `content`; they are absent for a model that does not think."""
 
     role: Literal["assistant"]
     content: Optional[str]
     tool_calls: Optional[list[m.ToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatLogprobs(Struct):
@@ -130,9 +134,14 @@ class ChunkToolCall(Struct, omit_defaults=True):
 
 
 class ChunkDelta(Struct, omit_defaults=True):
+    """A thinking model streams its think block as `reasoning_content` and `reasoning` (the same
+    text), then its answer as `content`."""
+
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[ChunkToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatChunkChoice(Struct):

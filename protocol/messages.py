@@ -94,6 +94,16 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+class ChatTemplateKwargs(Struct, forbid_unknown_fields=True):
+    """vLLM's `chat_template_kwargs`: the one key verity passes to the template (another: 400 by name)."""
+
+    enable_thinking: Optional[bool] = None
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+THINKING_OFF_EFFORTS = ("none", "minimal")  # reasoning_effort values that switch thinking off
+
+
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Prompt = Union[str, list[Union[str, TokenId, list[TokenId]]]]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -145,7 +155,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: Optional[ReasoningEffort] = None  # none/minimal: thinking off; the others on
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None  # enable_thinking: as `thinking`
     web_search_options: Any = None
     best_of: Optional[Annotated[int, Meta(ge=1)]] = None
     functions: Any = None  # deprecated for `tools`
@@ -155,7 +166,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     prompt_cache_key: Optional[str] = None  # accepted, unused: prefix reuse is automatic
     # verity's own
     mode: Optional[Mode] = "baseline"
-    thinking: Optional[bool] = None
+    thinking: Optional[bool] = None  # a thinking model's think block: None the model's default (check_request resolves the aliases)
+    max_thinking_tokens: Optional[Annotated[int, Meta(ge=0)]] = None  # tokens inside the think block, then it is closed
     ignore_eos: Optional[bool] = False
 
 
@@ -206,6 +218,8 @@ class Ready(Struct, tag=True):
     url: str = ""
     defaults: SamplingDefaults = SamplingDefaults()
     max_active: int = 0  # a worker's: requests it decodes at once
+    thinks: bool = False  # the model's chat template thinks (<think>...</think>, worker/thinking.py)
+    max_thinking_tokens: Optional[int] = None  # the worker's default thinking budget (None: none)
 
 
 class WorkerDown(Struct, tag=True):
@@ -241,6 +255,7 @@ class Queued(Struct, tag=True):
 
     request_id: str
     prompt_tokens: int
+    thinking: bool = False  # the generation starts inside the template's think block (gateway/reasoning.py)
 
 
 class Started(Struct, tag=True):

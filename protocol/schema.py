@@ -8,12 +8,12 @@ from typing import Literal, Optional
 
 import msgspec
 
-from protocol.messages import GenerateRequest
+from protocol.messages import THINKING_OFF_EFFORTS, GenerateRequest
 from protocol.tool_rules import check_tools
 
 # OpenAI fields verity does not implement: null (or the neutral value) is accepted, anything else
 # refused by name, never silently ignored.
-NULL_ONLY = {"audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
+NULL_ONLY = {"audio": None, "modalities": None, "prediction": None,
              "web_search_options": None, "best_of": 1, "store": False, "service_tier": "auto", "suffix": "",
              "functions": None, "function_call": None, "verbosity": None}
 UNSUPPORTED_FIELDS = frozenset(NULL_ONLY)
@@ -112,6 +112,7 @@ def check_request(req: GenerateRequest, endpoint: Endpoint) -> GenerateRequest:
         )
     req.max_tokens, req.max_completion_tokens = (a if a is not None else b), None
     _check_logprobs(req, endpoint)
+    resolve_thinking(req)
     check_tools(req, endpoint == "chat", RequestInvalid)
     if isinstance(req.stop, str):
         req.stop = [req.stop]
@@ -166,6 +167,22 @@ def _check_message(msg, i: int) -> None:
         if value is None:
             raise RequestInvalid(f"`{where}[{j}]`: a `{part.type}` part needs its `{part.type}` string",
                                  f"{where}[{j}].{part.type}")
+
+
+def resolve_thinking(req: GenerateRequest) -> None:
+    """`thinking`, `chat_template_kwargs.enable_thinking` and `reasoning_effort` (none/minimal: off,
+    the others on) into `thinking` alone; two that disagree are refused by name."""
+    kwargs = req.chat_template_kwargs
+    said = [("thinking", req.thinking),
+            ("chat_template_kwargs.enable_thinking", kwargs.enable_thinking if kwargs else None),
+            ("reasoning_effort", None if req.reasoning_effort is None else req.reasoning_effort not in THINKING_OFF_EFFORTS)]
+    given = [(name, v) for name, v in said if v is not None]
+    for name, v in given[1:]:
+        if v != given[0][1]:
+            raise RequestInvalid(f"`{name}` ({'on' if v else 'off'}) contradicts `{given[0][0]}` "
+                                 f"({'on' if given[0][1] else 'off'})", name)
+    req.thinking = given[0][1] if given else None
+    req.chat_template_kwargs = None
 
 
 def _normalize_nulls(req: GenerateRequest) -> None:

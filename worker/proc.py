@@ -114,6 +114,7 @@ class WorkerProc:
             cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
+            thinks=self.engine.think is not None, max_thinking_tokens=self.engine.config.max_thinking_tokens,
         )
 
     def run(self) -> int:
@@ -211,7 +212,7 @@ class WorkerProc:
         try:
             self._check_length(job.request)
             faults.before_submit(prompt_bytes(job.request) > LONG_PROMPT_BYTES)
-            n = self.engine.submit(rid, job.request)
+            queued = self.engine.queue(rid, job.request)
         except RequestError as e:
             log.info("[%s] refused: %s", rid, e.code)
             return m.Error(rid, e.code, e.message, e.status, e.param)
@@ -220,8 +221,8 @@ class WorkerProc:
             if self.early.take(rid):  # it came while the prompt was tokenized
                 log.info("[%s] cancel (it came while the job was tokenized)", rid)
                 self.engine.cancel(rid)
-        log.info("[%s] queued: %d prompt tokens", rid, n)
-        return m.Queued(rid, n)
+        log.info("[%s] queued: %d prompt tokens%s", rid, queued.prompt_tokens, ", thinking" if queued.thinking else "")
+        return queued
 
     def _check_length(self, req: m.GenerateRequest) -> None:
         """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""
@@ -275,6 +276,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-budget", type=int, default=None)
     for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float), ("max-tokens", int)):
         p.add_argument(f"--{name}", type=kind, default=None, help="the default for requests that omit it")
+    p.add_argument("--max-thinking-tokens", type=int, default=None, help="close a think block after this many tokens")
     p.add_argument("--decision-log", default=None)
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
@@ -313,7 +315,7 @@ def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> Engin
                         draft_budget=args.draft_budget, recovery=args.recovery,
                         decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
                         prefill_step=args.prefill_step or memory.default_prefill_step(),
-                        defaults=sampling_defaults(args))
+                        defaults=sampling_defaults(args), max_thinking_tokens=args.max_thinking_tokens)
 
 
 def build_engine(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],
