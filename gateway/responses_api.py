@@ -128,8 +128,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (responses, %s, stream=%s, background=%s)", rid, conv.request.mode, bool(req.stream),
              bool(req.background))
+    w = gw.link.worker
     builder = ResponseBuilder(rid, req.model or names[0], req, conv, tools_offered(conv.request),
-                              defaults=gw.link.worker.defaults if gw.link.worker else None)
+                              thinks=bool(w and w.thinks), defaults=w.defaults if w else None)
     run = Running(builder, history)
     return await _serve(request, gw, st, t, run)
 

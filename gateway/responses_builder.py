@@ -23,6 +23,7 @@ from gateway.responses_format import (
     OutputReasoningText, OutputText, OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningTextDelta,
     ReasoningTextDone, ResponseCompleted, ResponseCreated, ResponseError, ResponseFailed, ResponseInProgress,
     ResponseIncomplete, ResponseObject, ResponseQueued, ResponseUsage, Status)
+from gateway.reasoning import Parts, ReasoningSplit
 from gateway.tools import CallPiece, ParsedCall, ToolCallStream
 from protocol import messages as m
 from protocol.responses import Converted, ResponsesRequest
@@ -49,22 +50,6 @@ class _Item:
         return OutputFunctionCall(self.id, self.call_id, self.name, text, self.status)
 
 
-@dataclass
-class Parts:
-    reasoning: str
-    content: str
-
-
-class PlainText:
-    """The split of a template that does not think: everything is the answer."""
-
-    def feed(self, text: str) -> Parts:
-        return Parts("", text)
-
-    def finish(self) -> Parts:
-        return Parts("", "")
-
-
 def _new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
@@ -73,11 +58,13 @@ class ResponseBuilder:
     """One response's state, advanced by its worker events; each step returns its stream events."""
 
     def __init__(self, rid: str, model: str, req: ResponsesRequest, conv: Converted, tool_calls: bool,
-                 split=None, defaults: Optional[m.SamplingDefaults] = None):
+                 thinks: bool = False, defaults: Optional[m.SamplingDefaults] = None):
+        """`thinks`: the model's template thinks (its think block becomes a reasoning item)."""
         self.id, self.model, self.req, self.conv = rid, model, req, conv
         self.created_at = int(time.time())
         self.defaults = defaults
-        self.split = split or PlainText()
+        self.thinks, self.inside = thinks, False  # inside: the worker's Queued says generation starts in the block
+        self.split: Optional[ReasoningSplit] = None  # made at the first text
         self.calls = ToolCallStream() if tool_calls else None
         self.items: list[_Item] = []
         self.open: Optional[_Item] = None  # the message or reasoning item text goes to
@@ -142,6 +129,8 @@ class ResponseBuilder:
         """A worker event's stream events (Queued and Started give none)."""
         if self.status == "queued" and isinstance(ev, (m.Started, m.TextDelta)):
             self.status = "in_progress"
+        if isinstance(ev, m.Queued):
+            self.inside = ev.thinking
         if isinstance(ev, m.TextDelta):
             return self.delta(ev)
         if isinstance(ev, m.Finished):
@@ -151,6 +140,10 @@ class ResponseBuilder:
         return []
 
     def delta(self, ev: m.TextDelta) -> list[Struct]:
+        if not self.thinks:
+            return self._parts(Parts(content=ev.text))
+        if self.split is None:
+            self.split = ReasoningSplit(self.inside)
         parts = self.split.feed(ev.text)
         if parts.reasoning:
             self.reasoning_tokens += len(ev.token_ids)
@@ -229,7 +222,7 @@ class ResponseBuilder:
 
     def _flush(self, cut: bool) -> list[Struct]:
         """The text held back (a partial marker, an open block) at the end."""
-        out = self._parts(self.split.finish())
+        out = self._parts(self.split.finish()) if self.split is not None else []
         if self.calls is not None:
             out += self._split(self.calls.flush(cut))
         return out

@@ -22,7 +22,6 @@ from protocol import messages as m
 from protocol.schema import RequestInvalid, check_request, decode_body, validation_error
 
 Role = Literal["user", "assistant", "system", "developer"]
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
@@ -157,7 +156,7 @@ class TextConfig(Struct, forbid_unknown_fields=True):
 class ReasoningConfig(Struct, forbid_unknown_fields=True):
     """`effort` none or minimal switches a thinking template's thinking off, the others on."""
 
-    effort: Optional[Effort] = None
+    effort: Optional[m.ReasoningEffort] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None  # accepted: verity gives the text, no summary
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
 
@@ -207,6 +206,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # verity's own
     mode: Optional[m.Mode] = "baseline"
     thinking: Optional[bool] = None
+    max_thinking_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
     ignore_eos: Optional[bool] = False
     top_k: Optional[Annotated[int, Meta(ge=0)]] = None
     min_p: Optional[Annotated[float, Meta(ge=0.0, le=1.0)]] = None
@@ -250,7 +250,8 @@ def convert(req: ResponsesRequest, history: list[m.Message]) -> Converted:
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         stream=req.stream, user=req.user, tools=tools, tool_choice=_tool_choice(req.tool_choice, bool(tools)),
         parallel_tool_calls=req.parallel_tool_calls, response_format=_format(req.text),
-        mode=req.mode, thinking=_thinking(req), ignore_eos=req.ignore_eos)
+        mode=req.mode, thinking=req.thinking, reasoning_effort=req.reasoning.effort if req.reasoning else None,
+        max_thinking_tokens=req.max_thinking_tokens, ignore_eos=req.ignore_eos)
     try:
         check_request(gen, "chat")
     except RequestInvalid as e:
@@ -357,17 +358,11 @@ def _format(text: Optional[TextConfig]) -> Optional[m.ResponseFormat]:
     return m.ResponseFormat("json_schema", m.JsonSchemaFormat(f.name, f.description, f.schema_, f.strict))
 
 
-def _thinking(req: ResponsesRequest) -> Optional[bool]:
-    """verity's `thinking` if given, else `reasoning.effort`: none and minimal switch it off."""
-    if req.thinking is not None or req.reasoning is None or req.reasoning.effort is None:
-        return req.thinking
-    return req.reasoning.effort not in ("none", "minimal")
-
-
 _RENAMES = ((re.compile(r"^max_tokens\b"), "max_output_tokens"),
             (re.compile(r"^response_format\.json_schema\.schema\b"), "text.format.schema"),
             (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
             (re.compile(r"^tool_choice\.function\."), "tool_choice."),
+            (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
             (re.compile(r"^messages\b.*"), "input"))
 _TOOL = re.compile(r"^tools\[(\d+)\]\.function\.")
 

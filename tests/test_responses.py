@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.tiny_models import build_tiny_model
+from bench.tiny_models import THINKING_TEMPLATE, build_tiny_model
 from gateway import responses_format as shapes
 from gateway.response_store import ResponseStore, size_of
 from stack import Stack, wait_until
@@ -312,3 +312,46 @@ def test_metrics_and_openapi_show_responses(stack, client, model):
     from protocol.responses import ResponsesRequest
     assert set(props) == set(ResponsesRequest.__struct_fields__)
     assert props["max_output_tokens"]["anyOf"][0]["maximum"] == CAP
+
+
+# ---- a thinking template: the think block is a reasoning item ----
+
+BUDGET = 8  # --max-thinking-tokens: the random model never closes its block itself
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    root = tmp_path_factory.mktemp("responses-thinking")
+    target = build_tiny_model(root / "target", "qwen3_5", seed=0, chat_template=THINKING_TEMPLATE)
+    draft = build_tiny_model(root / "draft", "qwen3_5", seed=1, perturb_from=target, noise=0.3)
+    with Stack(str(target), "--draft", str(draft), "--draft-budget", "2", "--max-tokens-cap", "256",
+               "--max-thinking-tokens", str(BUDGET)) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    assert s.exit_code == 0 and "Traceback" not in s.log(), s.log()
+
+
+def test_reasoning_is_an_item_before_the_answer(thinking):
+    kw = dict(model=thinking.models.list().data[0].id, input="hello", max_output_tokens=30, temperature=0)
+    with thinking.responses.stream(**kw) as s:
+        events = list(s)
+    assert _kinds(events) == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    final = events[-1].response
+    thought, answer = final.output
+    assert thought.type == "reasoning" and answer.type == "message" and final.output_text
+    said = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert said and thought.content[0].text == said and "</think>" not in said + final.output_text
+    assert 0 < final.usage.output_tokens_details.reasoning_tokens <= BUDGET + 1
+    whole = thinking.responses.create(**kw)
+    assert [o.model_dump(exclude={"id"}) for o in whole.output] == [o.model_dump(exclude={"id"}) for o in final.output]
+    joint = thinking.responses.create(**kw, extra_body={"mode": "joint"})
+    assert [o.model_dump(exclude={"id"}) for o in joint.output] == [o.model_dump(exclude={"id"}) for o in final.output]
+    off = thinking.responses.create(**kw, reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        thinking.responses.create(**kw, reasoning={"effort": "high"}, extra_body={"thinking": False})
+    assert e.value.body["param"] == "reasoning.effort"
