@@ -127,17 +127,14 @@ class HostedTool(Struct):
     type: str
 
 
-class ToolChoiceObject(Struct, forbid_unknown_fields=True):
-    """{"type": "function", "name": ...} forces that function; other kinds are refused by name."""
+class ToolChoiceFunction(Struct, forbid_unknown_fields=True):
+    """Forces a call of the function named (other kinds of OpenAI's tool_choice are refused)."""
 
-    type: str
-    name: Optional[str] = None
-    mode: Any = None
-    tools: Any = None
-    server_label: Any = None
+    type: Literal["function"]
+    name: str
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceObject]
+ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceFunction]
 
 
 class TextFormat(Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
@@ -244,6 +241,9 @@ def convert(req: ResponsesRequest, history: list[m.Message]) -> Converted:
     """The GenerateRequest of `req` continuing `history` (a stored conversation; [] for none)."""
     turn = input_messages(req.input)
     tools, positions, hosted = convert_tools(req.tools)
+    if not history and not turn:
+        raise RequestInvalid("`input` holds no message, function call or function call output (reasoning items are "
+                             "left out of the prompt)", "input")
     system = [m.Message("system", req.instructions)] if req.instructions else []
     gen = m.GenerateRequest(
         model=req.model, messages=system + history + turn, max_tokens=req.max_output_tokens,
@@ -292,6 +292,8 @@ def _item(raw: Any, i: int) -> InputItem:
     if not isinstance(raw, dict):
         raise RequestInvalid(f"`{where}` must be an object (an input item)", where)
     kind = raw.get("type", "message" if "role" in raw else None)
+    if not isinstance(kind, (str, type(None))):
+        raise RequestInvalid(f"`{where}.type` must be a string", f"{where}.type")
     if kind in ITEMS:
         return _convert(raw, ITEMS[kind], where)
     if kind in UNSERVED_ITEMS:
@@ -323,6 +325,8 @@ def convert_tools(raw: Optional[list[dict[str, Any]]]) -> tuple[Optional[list[m.
     tools, positions, hosted = [], [], []
     for i, t in enumerate(raw or []):
         kind = t.get("type")
+        if not isinstance(kind, str):
+            raise RequestInvalid(f"`tools[{i}].type` must be a string", f"tools[{i}].type", "invalid_tools")
         if kind == "function":
             f = _convert(t, FunctionTool, f"tools[{i}]")
             tools.append(m.Tool("function", m.FunctionDef(f.name, f.description, f.parameters, f.strict)))
@@ -338,12 +342,6 @@ def convert_tools(raw: Optional[list[dict[str, Any]]]) -> tuple[Optional[list[m.
 def _tool_choice(choice: Optional[ToolChoice], offered: bool) -> Optional[m.ToolChoice]:
     if choice is None or isinstance(choice, str):
         return choice if offered or choice == "required" else None
-    if choice.type != "function":
-        raise RequestInvalid(f"`tool_choice` of type `{choice.type}` is not supported by verity (\"none\", \"auto\", "
-                             "\"required\" or a function)", "tool_choice.type", "unsupported_parameter")
-    if not choice.name:
-        raise RequestInvalid("`tool_choice` of type `function` needs the function's `name`", "tool_choice.name",
-                             "invalid_tools")
     return m.NamedToolChoice("function", m.FunctionName(choice.name))
 
 
