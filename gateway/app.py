@@ -19,6 +19,7 @@ from gateway.guard import Guard, Refused, cors_headers
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
 from gateway.openapi import describe
+from gateway.small import AUTH_PATHS, SmallEndpoints
 from gateway.sse import STALL_BYTES, ClientStalled, SseWriter
 from gateway.surfaces import Surfaces
 from protocol import messages as m
@@ -115,7 +116,7 @@ async def _cors_on_prepare(request: web.Request, response: web.StreamResponse) -
 async def errors_and_auth(request: web.Request, handler):
     gw = request.app[GATEWAY]
     key = gw.config.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path in AUTH_PATHS):
         given = request.headers.get("Authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""  # the scheme is case-insensitive
         # header bytes that are not UTF-8 arrive surrogate-escaped: compare the bytes as sent
@@ -454,6 +455,7 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces = Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining)
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
+    SmallEndpoints(gw.link, lambda: served_names(gw)).register(app)
     from gateway import responses_api  # it imports this module's helpers
     responses_api.routes(app)
     return app

@@ -50,6 +50,9 @@ class Message(Struct, forbid_unknown_fields=True):
     refusal: Optional[str] = None  # an assistant turn that refused: rendered as its content
     tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+    # an assistant turn's thinking, as a reply carried it (the template decides whether to render it)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class FunctionDef(Struct, forbid_unknown_fields=True):
@@ -180,6 +183,18 @@ class SubmitRequest(Struct, tag=True):
     gateway_pid: int = 0  # the gateway that admitted it: a restarted gateway disowns the dead one's
 
 
+class TokenizeJob(Struct, tag=True):
+    """gateway -> worker, on the jobs socket: /tokenize (`request`: messages through the chat
+    template, or a prompt string) or /detokenize (`tokens`); answered by a Tokens event."""
+
+    request_id: str
+    request: Optional[GenerateRequest] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tokens: Optional[list[int]] = None
+    token_strs: bool = False  # each token's own text too
+
+
 class CancelRequest(Struct, tag=True):
     request_id: str
 
@@ -305,7 +320,16 @@ class Error(Struct, tag=True):
     param: Optional[str] = None
 
 
-Event = Union[Queued, Started, TextDelta, Finished, Error]
+class Tokens(Struct, tag=True):
+    """The answer to a TokenizeJob: the token ids and their text."""
+
+    request_id: str
+    tokens: list[int]
+    text: str
+    token_strs: Optional[list[str]] = None
+
+
+Event = Union[Queued, Started, TextDelta, Finished, Error, Tokens]
 
 
 class EventBatch(Struct, tag=True):
@@ -439,7 +463,7 @@ class CacheReply(Struct, tag=True):
 
 
 # One union per socket direction: decoders reject anything else.
-JobMessage = SubmitRequest
+JobMessage = Union[SubmitRequest, TokenizeJob]
 ControlMessage = Union[CancelRequest, DropOrphans]
 WorkerOutMessage = Union[Ready, EventBatch]
 SupervisorMessage = Union[Ready, WorkerDown]

@@ -46,8 +46,8 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
 
 
 def decode_body(body: bytes, decoder: msgspec.json.Decoder, unsupported: frozenset = UNSUPPORTED_FIELDS):
-    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (`unsupported`: the
-    top-level fields refused as not supported rather than unknown)."""
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (every route's;
+    `unsupported`: the top-level fields refused as not supported rather than unknown)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
@@ -152,6 +152,9 @@ def _check_endpoint(req: GenerateRequest, endpoint: Endpoint) -> None:
 def _check_message(msg, i: int) -> None:
     """Content parts: text and refusal only (a refusal part reads as text). A null content reads
     as empty text (an assistant turn of tool calls or a refusal has none)."""
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(msg, name) is not None and msg.role != "assistant":
+            raise RequestInvalid(f"`messages[{i}].{name}`: only an assistant turn carries thinking", f"messages[{i}].{name}")
     if msg.content is None or isinstance(msg.content, str):
         return
     where = f"messages[{i}].content"
@@ -180,7 +183,7 @@ def resolve_thinking(req: GenerateRequest) -> None:
     for name, v in given[1:]:
         if v != given[0][1]:
             raise RequestInvalid(f"`{name}` ({'on' if v else 'off'}) contradicts `{given[0][0]}` "
-                                 f"({'on' if given[0][1] else 'off'})", name)
+                                 f"({'on' if given[0][1] else 'off'})", name, "conflicting_thinking_controls")
     req.thinking = given[0][1] if given else None
     req.chat_template_kwargs = None
 

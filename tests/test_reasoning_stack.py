@@ -5,6 +5,10 @@ the small endpoints (/tokenize, /detokenize, cancelling a chat completion by its
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -31,7 +35,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("reasoning")
     target = build_tiny_model(root / "target", "qwen3_5", seed=0, chat_template=THINKING_TEMPLATE)
     draft = build_tiny_model(root / "draft", "qwen3_5", seed=1, perturb_from=target, noise=0.3)
-    with Stack(str(target), "--draft", str(draft), "--draft-budget", "2", "--max-tokens-cap", "256",
+    with Stack(str(target), "--draft", str(draft), "--draft-budget", "2", "--max-tokens-cap", "2000",
                "--max-thinking-tokens", str(BUDGET)) as s:
         yield s
     assert s.exit_code == 0, s.log()
@@ -125,3 +129,91 @@ def test_structured_output_and_tool_calls_apply_to_the_answer(client, mode):
     Weather.model_validate_json(call.message.tool_calls[0].function.arguments)
     rc, _, content, finish = streamed(client, mode=mode, response_format={"type": "json_object"}, max_tokens=120)
     assert rc == msg.model_extra["reasoning"] and isinstance(json.loads(content), dict) and finish == ["stop"]
+
+
+def test_a_reply_with_its_thinking_goes_back_in_the_next_turn(client):
+    first = ask(client).choices[0].message
+    history = [{"role": "user", "content": "hello world"}, first.model_dump(exclude_none=True),
+               {"role": "user", "content": "and?"}]
+    assert history[1]["reasoning_content"]
+    assert ask(client, messages=history).choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, messages=[{"role": "user", "content": "x", "reasoning": "no"}])
+    assert e.value.body["param"] == "messages[0].reasoning"
+
+
+# ---- the small endpoints ----
+
+
+def test_tokenize_and_detokenize_round_trip(stack):
+    url = stack.url
+    msgs = [{"role": "user", "content": "hello world"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": msgs, "return_token_strs": True}).json()
+    text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert chat["count"] == len(chat["tokens"]) == len(chat["token_strs"]) and "".join(chat["token_strs"]) == text
+    assert chat["max_model_len"] == httpx.get(url + "/v1/verity/info").json()["context_limit"]
+    off = httpx.post(url + "/tokenize", json={"messages": msgs, "thinking": False}).json()
+    assert httpx.post(url + "/detokenize", json={"tokens": off["tokens"]}).json()["prompt"].endswith("</think>\n\n")
+    bare = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert chat["tokens"][: bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    plain = httpx.post(url + "/tokenize", json={"prompt": "the quick brown fox"}).json()
+    assert httpx.post(url + "/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "the quick brown fox"}
+    whole = ask(openai.OpenAI(base_url=url + "/v1", api_key="none"), messages=msgs, max_tokens=1)
+    assert whole.usage.prompt_tokens == chat["count"]  # what chat completions count
+
+
+@pytest.mark.parametrize("body,param", [({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+                                        ({}, "prompt"), ({"prompt": "x", "tools": []}, "tools"),
+                                        ({"prompt": "x", "nope": 1}, "nope")])
+def test_tokenize_refuses_by_name(stack, body, param):
+    r = httpx.post(stack.url + "/tokenize", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(stack.url + "/detokenize", json={"tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_token_id"
+
+
+def test_cancel_a_running_chat_completion_by_its_id(stack, client):
+    """The stream ends at once and the row is freed (the worker holds nothing afterwards)."""
+    stream = ask(client, stream=True, max_tokens=2000, ignore_eos=True, max_thinking_tokens=3000)
+    first = next(iter(stream))
+    r = httpx.post(f"{stack.url}/v1/chat/completions/{first.id}/cancel")
+    assert r.status_code == 200 and r.json() == {"id": first.id, "object": "chat.completion", "status": "cancelled",
+                                                 "choices": 1}
+    rest = list(stream)
+    assert sum(1 for c in rest for ch in c.choices if ch.delta.model_dump().get("reasoning")) < 1900
+    assert stack.settled()["worker"]["active"] == 0
+    again = httpx.post(f"{stack.url}/v1/chat/completions/{first.id}/cancel")
+    assert again.status_code == 404 and again.json()["error"]["param"] == "id"
+
+
+# ---- verity generate / chat ----
+
+
+def test_the_cli_prints_thinking_dimmed_and_the_answer_apart(stack, client):
+    """On a terminal (a pty) the think block is dimmed; into a pipe, stdout is the answer alone
+    and the thinking goes to stderr."""
+    want = ask(client, ignore_eos=True, max_tokens=24).choices[0].message
+    args = [sys.executable, "-m", "cli.main", "generate", "hello world", "--url", stack.url, "--max-tokens", "24",
+            "--temperature", "0", "--ignore-eos"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == want.content + "\n" and piped.stderr.startswith(want.model_extra["reasoning"] + "\n")
+    main, sub = pty.openpty()
+    run = subprocess.run(args, stdout=sub, stderr=subprocess.PIPE, timeout=60)
+    os.close(sub)
+    shown = b""
+    while chunk := _read(main):
+        shown += chunk
+    os.close(main)
+    assert run.returncode == 0, run.stderr
+    text = shown.decode().replace("\r\n", "\n")
+    assert text.startswith("\x1b[2m") and "\x1b[22m" in text
+    assert text.replace("\x1b[2m", "").replace("\x1b[22m", "") == want.model_extra["reasoning"] + "\n" + want.content + "\n"
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the other end is closed: all was read
+        return b""

@@ -34,6 +34,7 @@ from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
+from worker.text import PromptInvalid, tokenize
 
 log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5
@@ -176,7 +177,7 @@ class WorkerProc:
     def _jobs_loop(self) -> None:
         for job in self._received(runtime.JOBS, codec.job_decoder(), "job"):
             faults.on_job()
-            if prompt_bytes(job.request) > LONG_PROMPT_BYTES:
+            if isinstance(job, m.TokenizeJob) or prompt_bytes(job.request) > LONG_PROMPT_BYTES:
                 self.long_jobs.put(job)
             elif not self.engine.grammars.ready(job.request):  # compiled on the pool, then queued
                 self.compiles.submit(self._submit_compiled, job)
@@ -200,7 +201,17 @@ class WorkerProc:
                 job = self.long_jobs.get(timeout=POLL_MS / 1000)
             except queue.Empty:
                 continue
-            self.outbox.put(m.EventBatch(self.pid, [self._submit(job)]))
+            self.outbox.put(m.EventBatch(self.pid, [self._tokenize(job) if isinstance(job, m.TokenizeJob)
+                                                    else self._submit(job)]))
+
+    def _tokenize(self, job: m.TokenizeJob):
+        """/tokenize and /detokenize: the Tokens, or an Error naming what the model cannot take."""
+        try:
+            return tokenize(self.lm.tokenizer, job, self.engine.vocab_size)
+        except PromptInvalid as e:
+            return m.Error(job.request_id, "invalid_token_id", str(e), 400, "tokens")
+        except Exception as e:  # a template may raise on odd conversations
+            return m.Error(job.request_id, "invalid_prompt", f"the prompt could not be rendered: {e}", 400, "messages")
 
     def _submit(self, job: m.SubmitRequest):
         """The job's first event: Queued, an Error, or Finished "cancelled" when its cancel came first."""
