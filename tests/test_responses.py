@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.tiny_models import THINKING_TEMPLATE, build_tiny_model
+from bench.tiny_models import build_tiny_model
 from gateway import responses_format as shapes
 from gateway.response_store import ResponseStore, size_of
 from stack import Stack, wait_until
@@ -46,16 +46,6 @@ def stack(tiny_llama, tmp_path_factory):
                "--responses-max-count", str(STORE_COUNT), "--responses-max-bytes", str(STORE_BYTES)) as s:
         yield s
     assert s.exit_code == 0 and "Traceback" not in s.log(), s.log()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
@@ -320,10 +310,8 @@ BUDGET = 8  # --max-thinking-tokens: the random model never closes its block its
 
 
 @pytest.fixture(scope="module")
-def thinking(tmp_path_factory):
-    root = tmp_path_factory.mktemp("responses-thinking")
-    target = build_tiny_model(root / "target", "qwen3_5", seed=0, chat_template=THINKING_TEMPLATE)
-    draft = build_tiny_model(root / "draft", "qwen3_5", seed=1, perturb_from=target, noise=0.3)
+def thinking(thinking_pair):
+    target, draft = thinking_pair
     with Stack(str(target), "--draft", str(draft), "--draft-budget", "2", "--max-tokens-cap", "256",
                "--max-thinking-tokens", str(BUDGET)) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
