@@ -343,3 +343,31 @@ def test_reasoning_is_an_item_before_the_answer(thinking):
     with pytest.raises(openai.BadRequestError) as e:
         thinking.responses.create(**kw, reasoning={"effort": "high"}, extra_body={"thinking": False})
     assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_a_client_that_leaves_cancels_its_response(stack, model):
+    import httpx
+
+    body = {"model": model, "input": "go on", "stream": True, "max_output_tokens": CAP - 100, "ignore_eos": True}
+    with httpx.stream("POST", stack.url + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.output_text.delta"' in line:
+                break  # leave mid-stream
+    wait_until(stack.idle, 30, "the left response cancelled and its slot free")
+    assert "client went away: cancelling" in stack.log()
+
+
+def test_the_time_limit_ends_a_response(tiny_llama, model):
+    with Stack(str(tiny_llama), "--request-timeout-s", "1", "--max-tokens-cap", str(CAP)) as s:
+        slow = {"input": "go on", "max_output_tokens": CAP, "temperature": 0}
+        status, err = post(s, "/v1/responses", {**slow, "ignore_eos": True})
+        if status == 200:  # a fast machine may write CAP tokens within the second
+            pytest.skip("the generation ended within the time limit")
+        assert status == 504 and err["error"]["code"] == "request_timeout"
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        with client.responses.stream(model=model, **slow, extra_body={"ignore_eos": True}) as st:
+            events = list(st)
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-1].response.status == "failed" and events[-1].response.error.code == "request_timeout"
+        wait_until(s.idle, 30, "the timed-out responses' slots free")
+    assert s.exit_code == 0 and "Traceback" not in s.log(), s.log()
