@@ -34,6 +34,7 @@ def usage(metrics: m.RequestMetrics) -> dict:
         "completion_tokens": metrics.completion_tokens,
         "total_tokens": metrics.prompt_tokens + metrics.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": metrics.reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": metrics.reasoning_tokens},
     }
 
 
@@ -92,7 +93,8 @@ class Shaper:
             return None
         drafted, self._drafted = self._drafted, []
         parts = self._parts(ev.text)
-        out = self.chunk(text=parts.content if parts.content or not self.thinks else None, logprobs=ev.logprobs, drafted=drafted, reasoning=parts.reasoning)
+        content = parts.content if parts.content or not self.thinks else None  # a thinking delta has no content
+        out = self.chunk(text=content, logprobs=ev.logprobs, drafted=drafted, reasoning=parts.reasoning)
         choice = out["choices"][0]
         if self.chat and not choice["delta"] and "logprobs" not in choice:  # all held back (an open tool call)
             self._drafted = drafted + self._drafted

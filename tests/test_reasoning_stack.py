@@ -77,8 +77,9 @@ def test_info_says_the_model_thinks(stack):
 def test_thinking_is_apart_from_the_answer_whole_and_streamed(client, mode):
     """The budget closes the block; the answer follows it; the stream adds up to the whole reply,
     and joint mode gives baseline's reply exactly."""
-    whole = ask(client, mode=mode, ignore_eos=True).choices[0].message
-    extra = whole.model_extra
+    done = ask(client, mode=mode, ignore_eos=True)
+    whole, extra = done.choices[0].message, done.choices[0].message.model_extra
+    assert done.usage.completion_tokens_details.reasoning_tokens == BUDGET == done.model_extra["metrics"]["reasoning_tokens"]
     assert extra["reasoning_content"] and extra["reasoning"] == extra["reasoning_content"]
     assert whole.content and "think>" not in whole.content and "think>" not in extra["reasoning"]
     rc, r, content, finish = streamed(client, mode=mode, ignore_eos=True)
@@ -98,8 +99,10 @@ def test_a_request_budget_overrides_the_servers(client):
 @pytest.mark.parametrize("control", [{"thinking": False}, {"reasoning_effort": "none"},
                                      {"chat_template_kwargs": {"enable_thinking": False}}])
 def test_thinking_switched_off(client, control):
-    msg = ask(client, ignore_eos=True, **control).choices[0].message
+    done = ask(client, ignore_eos=True, **control)
+    msg = done.choices[0].message
     assert msg.model_extra.get("reasoning") is None and msg.content
+    assert done.usage.completion_tokens_details.reasoning_tokens == 0
     on = ask(client, ignore_eos=True, reasoning_effort="high").choices[0].message
     assert on.model_extra["reasoning"]
 
@@ -217,3 +220,24 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:  # the other end is closed: all was read
         return b""
+
+
+def test_streamed_tool_calls_and_several_choices_after_thinking(client):
+    stream = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=[{"role": "user", "content": "weather?"}], stream=True,
+                                            tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=120,
+                                            extra_body={"mode": "joint"})
+    thought, args, finish = "", "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            thought += c.delta.model_dump().get("reasoning_content") or ""
+            args += "".join(t.function.arguments or "" for t in c.delta.tool_calls or [])
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    assert thought and finish == "tool_calls"
+    Weather.model_validate_json(args)
+    two = ask(client, n=2, seed=5, temperature=1.0, ignore_eos=True)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert all(c.message.model_extra["reasoning"] and c.message.content for c in two.choices)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * BUDGET
