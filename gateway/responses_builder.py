@@ -246,6 +246,11 @@ class ResponseBuilder:
         return out + [self._ev(ErrorEvent, code=code, message=message, param=param),
                       self._ev(ResponseFailed, response=self.response())]
 
+    def abandon(self) -> None:
+        """Its client left before the end: cancelled, with the output so far."""
+        self._close_all("incomplete")
+        self.status = "cancelled"
+
     @property
     def ended(self) -> bool:
         return self.status not in ("in_progress", "queued")

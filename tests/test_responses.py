@@ -350,11 +350,14 @@ def test_a_client_that_leaves_cancels_its_response(stack, model):
 
     body = {"model": model, "input": "go on", "stream": True, "max_output_tokens": CAP - 100, "ignore_eos": True}
     with httpx.stream("POST", stack.url + "/v1/responses", json=body, timeout=60) as r:
+        rid = r.headers["X-Request-Id"]
         for line in r.iter_lines():
             if line.startswith("data: ") and '"response.output_text.delta"' in line:
                 break  # leave mid-stream
     wait_until(stack.idle, 30, "the left response cancelled and its slot free")
-    assert "client went away: cancelling" in stack.log()
+    assert f"[{rid}] client went away: cancelling" in stack.log()
+    status, kept = post(stack, f"/v1/responses/{rid}/cancel", {})
+    assert status == 200 and kept["status"] == "cancelled" and kept["output"][0]["status"] == "incomplete"
 
 
 def test_the_time_limit_ends_a_response(tiny_llama, model):
