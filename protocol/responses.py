@@ -137,7 +137,7 @@ class ToolChoiceFunction(Struct, forbid_unknown_fields=True):
 ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceFunction]
 
 
-class TextFormat(Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
+class TextFormat(Struct, forbid_unknown_fields=True, omit_defaults=True, rename={"schema_": "schema"}):
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
     schema_: Optional[dict[str, Any]] = None
