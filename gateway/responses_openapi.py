@@ -65,7 +65,7 @@ def _part(s: dict) -> dict:
     """Content parts as served: text parts with their text (image, file and audio parts are refused by name)."""
     p = s["properties"]
     p["type"] = {"enum": list(r.TEXT_PARTS)}
-    for name in ("image_url", "file_id", "file_data", "file_url", "filename", "detail", "input_audio"):
+    for name in r.REFUSED_PART_FIELDS:
         p[name] = {"type": "null", "default": None}
     s["allOf"] = [{"if": {"properties": {"type": {"const": "refusal"}}},
                    "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}},

@@ -45,7 +45,12 @@ Includable = Literal["reasoning.encrypted_content", "message.output_text.logprob
                      "code_interpreter_call.outputs", "computer_call_output.output.image_url"]
 
 
-class InputContentPart(Struct, forbid_unknown_fields=True):
+# fields of image, file and audio parts: decoded only so that such a part is refused by its type
+REFUSED_PART_FIELDS = ("image_url", "file_id", "file_data", "file_url", "filename", "detail", "input_audio")
+_RefusedParts = msgspec.defstruct("_RefusedParts", [(n, Any, None) for n in REFUSED_PART_FIELDS])
+
+
+class InputContentPart(_RefusedParts, forbid_unknown_fields=True, kw_only=True):
     """A part of a message's content: text parts are served; image, file and audio parts are
     decoded only to be refused by name."""
 
@@ -54,13 +59,6 @@ class InputContentPart(Struct, forbid_unknown_fields=True):
     refusal: Optional[str] = None
     annotations: Optional[list[Any]] = None  # an output_text's, replayed: ignored
     logprobs: Optional[list[Any]] = None
-    image_url: Any = None
-    file_id: Any = None
-    file_data: Any = None
-    file_url: Any = None
-    filename: Any = None
-    detail: Any = None
-    input_audio: Any = None
 
 
 class MessageItem(Struct, forbid_unknown_fields=True):
@@ -162,7 +160,10 @@ class ResponsesStreamOptions(Struct, forbid_unknown_fields=True):
     include_obfuscation: Optional[bool] = None  # accepted: no obfuscation is added
 
 
-class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
+_NullOnly = msgspec.defstruct("_NullOnly", [(n, Any, None) for n in sorted(UNSUPPORTED)])
+
+
+class ResponsesRequest(_NullOnly, forbid_unknown_fields=True, omit_defaults=True):
     """OpenAI Responses fields verity implements, plus its own (`mode`, `thinking`, sampling)."""
 
     model: Optional[str] = None
@@ -190,16 +191,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     client_metadata: Optional[dict[str, str]] = None  # Codex's
     service_tier: Optional[Literal["auto", "default"]] = None
     truncation: Optional[Literal["disabled"]] = None  # "auto" would drop input: a long one is refused instead
-    top_logprobs: Optional[Annotated[int, Meta(ge=0, le=0)]] = None
-    conversation: Any = None
-    prompt: Any = None
-    context_management: Any = None
-    max_tool_calls: Any = None
-    moderation: Any = None
-    image: Any = None
-    background_options: Any = None
-    prompt_cache_options: Any = None
-    access_programs: Any = None
+    # and UNSUPPORTED's fields, null only (top_logprobs: also 0)
     # verity's own
     mode: Optional[m.Mode] = "baseline"
     thinking: Optional[bool] = None
