@@ -220,7 +220,7 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     req = decode_body(body, _decoder, UNSUPPORTED)
     for name in sorted(UNSUPPORTED):
         value = getattr(req, name)
-        if value is not None and not (name == "top_logprobs" and value == 0):
+        if value is not None and not (name == "top_logprobs" and type(value) is int and value == 0):
             raise RequestInvalid(f"`{name}` is not supported by verity (only null)", name, "unsupported_parameter")
     if req.input is None or req.input == [] or req.input == "":
         raise RequestInvalid("`input` is required and must not be empty", "input")
