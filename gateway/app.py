@@ -57,6 +57,8 @@ class GatewayConfig:
     log_prompts: bool = False  # prompt text goes to the log only when asked for
     served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
     heartbeat_timeout_s: float = 10.0  # a worker silent this long makes /health 503
+    responses_max_count: int = 1000  # stored /v1/responses kept (gateway/response_store.py)
+    responses_max_bytes: int = 256 << 20
 
 
 class Gateway:
@@ -462,7 +464,8 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
     SmallEndpoints(gw.link, lambda: served_names(gw)).register(app)
-    from gateway import messages_api  # imports this module: added once it is whole
+    from gateway import messages_api, responses_api  # they import this module: added once it is whole
 
     messages_api.routes(app)
+    responses_api.routes(app)
     return app
