@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from protocol.messages import GenerateRequest
+import msgspec
+
+from protocol.messages import GenerateRequest, Message
 from protocol.schema import message_text
 from worker import tools
 
@@ -51,6 +53,14 @@ def message_boundaries(tokenizer, req: GenerateRequest, prompt: list[int]) -> li
         if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
             out.add(len(ids))
     return sorted(out)
+
+
+def answer_rendered(tokenizer, req: GenerateRequest, answer: str) -> list[int]:
+    """The conversation with `answer` as the assistant's next message, as the template renders it
+    (no generation prompt): what the next turn's prompt starts with when its client resends the
+    answer (a call in the generic format renders as the text that made it)."""
+    nxt = msgspec.structs.replace(req, messages=[*req.messages, Message("assistant", answer)])
+    return _render(tokenizer, nxt, len(nxt.messages), add_generation_prompt=False)
 
 
 def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_prompt: bool) -> list[int]:

@@ -1,0 +1,80 @@
+"""Prefix reuse in an agent's loop over chat completions, on a real stack: a tool-using conversation
+(bench/agent_script.py) where each request resends everything, the model's own answers included,
+reuses ≥ 90% of its prompt from the third request, each answer is reused whole by the next request,
+and the answers equal those of a stack with the cache off (greedy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from bench.agent_apis import ChatClient
+from bench.agent_loop import live_run, replay, tokens_per_char
+from bench.agent_script import opening
+from bench.tiny_models import tiny_model_dir
+from protocol import messages as m
+from stack import Stack
+from worker.text import message_boundaries, render_prompt
+
+ARCHS = ("llama", "qwen3_5")  # pure attention, and hybrid (recurrent state: exact snapshots only)
+PREFIX_TOKENS = 1500  # the system prompt, about
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {arch: tiny_model_dir(tmp_path_factory, arch, seed=0, max_position_embeddings=8192) for arch in ARCHS}
+
+
+def request_of(client: ChatClient, items, tool_choice: str) -> m.GenerateRequest:
+    """The chat body the bench sent, as the worker's request (what its prompt is rendered from)."""
+    body = client.body(items, tool_choice)
+    keep = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+    return msgspec.convert({k: body[k] for k in keep}, m.GenerateRequest)
+
+
+def answer_end(tokenizer, req: m.GenerateRequest) -> int:
+    """Tokens of the conversation up to the end of its next-to-last message (the previous answer)."""
+    return message_boundaries(tokenizer, req, render_prompt(tokenizer, req))[-2]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_agent_loop_reuses_prompt_and_answers_exactly(models, arch):
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(models[arch])
+    with Stack(str(models[arch])) as s:
+        client = ChatClient(s.url, MAX_TOKENS)
+        sent, live = live_run(client, opening(PREFIX_TOKENS, tokens_per_char(s.url)))
+    assert s.exit_code == 0
+    shares = [t.cached_tokens / t.prompt_tokens for t in live]
+    assert shares[0] < 0.05 and min(shares[2:]) >= 0.90, shares  # a fresh system prompt, then reuse
+    assert sum(len(t.calls) for t in live) >= 4, "the loop made tool calls"
+    for n in range(1, len(live)):  # the previous answer (a call or text) is reused whole: all but,
+        req = request_of(client, *sent[n])  # at most, the separator the template puts after its end token
+        assert req.messages[-2].role == "assistant"
+        assert live[n].cached_tokens >= answer_end(tokenizer, req) - 1, (n, live[n].cached_tokens)
+    with Stack(str(models[arch]), "--cache-bytes", "0") as cold_stack:
+        cold = replay(ChatClient(cold_stack.url, MAX_TOKENS), sent)
+    assert [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in live] == \
+        [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in cold]
+    assert all(t.cached_tokens == 0 for t in cold)
+
+
+def test_bench_agent_loop_quick(models):
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "agent-loop", "--model", str(models["llama"]),
+                        "--quick", "--api", "all", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "agent-loop"
+    for label in ("embedded", "hybrid"):
+        res = figures["models"][label]
+        chat = res["chat"]
+        assert len(chat["turns"]) == 12 and chat["same_answers"], chat
+        assert all(t["reused"] > 0 for t in chat["turns"][1:])
+        assert all(res[api]["served"] in (True, False) for api in ("messages", "responses"))
+    assert "bench agent-loop" in r.stdout
