@@ -47,6 +47,12 @@ _GEN_THINK = (
     "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 CHAT_TEMPLATES = {"llama": _MESSAGES + _GEN, "qwen3_5": _MESSAGES + _GEN_THINK}
+# Qwen3.5's own: thinking on (its default) opens `<think>\n` in the generation prompt
+THINKING_TEMPLATE = _MESSAGES + (
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
 
 LM_HEAD_GAIN = 2.0  # logit scale
 # Strength of the lm_head's bigram skeleton (see _add_bigram), tuned per arch so that a
@@ -79,7 +85,7 @@ def _tokenizer_json(thinking: bool) -> str:
     return tok.to_str()
 
 
-def _write_tokenizer(path: Path, arch: str) -> dict[str, int]:
+def _write_tokenizer(path: Path, arch: str, template: str | None = None) -> dict[str, int]:
     """Write tokenizer.json + tokenizer_config.json; returns the full vocab."""
     text = _tokenizer_json(arch == "qwen3_5")
     (path / "tokenizer.json").write_text(text)
@@ -90,7 +96,7 @@ def _write_tokenizer(path: Path, arch: str) -> dict[str, int]:
         "pad_token": "<|endoftext|>",
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATES[arch],
+        "chat_template": template or CHAT_TEMPLATES[arch],
     }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     tj = json.loads(text)
@@ -175,14 +181,15 @@ def _perturbed(src: Path, noise: float, seed: int) -> dict[str, mx.array]:
 def build_tiny_model(
     path: Path, arch: str = "llama", seed: int = 0, *, hidden: int = 64,
     layers: int | None = None, heads: int = 4, kv_heads: int = 2, vocab: int | None = None,
-    perturb_from: Path | None = None, noise: float = 0.0, **overrides,
+    perturb_from: Path | None = None, noise: float = 0.0, chat_template: str | None = None, **overrides,
 ) -> Path:
     """Write config.json, model.safetensors (float32), tokenizer files into `path`.
 
     layers defaults to 2 (llama) or 4 (qwen3_5: linear, attention, linear, attention).
     With `perturb_from`, copy that model (config + tokenizer) and add relative Gaussian
     noise to its weights (a draft model resembling its target); other args are ignored
-    except `seed`, which seeds the noise.
+    except `seed`, which seeds the noise. `chat_template`: another template than the arch's
+    (THINKING_TEMPLATE: Qwen3.5's thinking generation prompt).
     """
     if perturb_from is None and arch not in CHAT_TEMPLATES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(CHAT_TEMPLATES)}")
@@ -194,7 +201,7 @@ def build_tiny_model(
                 shutil.copy(f, path / f.name)
         weights = _perturbed(Path(perturb_from), noise, seed)
     else:
-        tok_vocab = _write_tokenizer(path, arch)
+        tok_vocab = _write_tokenizer(path, arch, chat_template)
         n_vocab = max(len(tok_vocab), vocab or 0)
         layers = layers if layers is not None else {"qwen3_5": 4}.get(arch, 2)
         config = _model_config(arch, hidden, layers, heads, kv_heads, n_vocab, overrides)

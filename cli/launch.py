@@ -83,13 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="require this bearer token (visible to local users: prefer VERITY_API_KEY or --api-key-file)")
     p.add_argument("--api-key-file", default=None, help="read the bearer token from this file (mode 0600)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the largest max_tokens a request may ask for")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="max_tokens of a request that omits it (default: --max-tokens-cap; it also ends at the context's end)")
-    sampling = "a request that omits it gets this (default: the model's generation_config.json, else its card's value"
-    p.add_argument("--temperature", type=float, default=None, help=f"{sampling}; the embedded model: 0.2; else 1)")
-    p.add_argument("--top-p", type=float, default=None, help=f"{sampling}; the embedded model: 0.9; else 1)")
-    p.add_argument("--top-k", type=int, default=None, help=f"{sampling}; else 0: off)")
-    p.add_argument("--min-p", type=float, default=None, help=f"{sampling}; else 0: off)")
+    _request_default_flags(p)
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name requests may give as `model` (repeatable); responses name what the request sent")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -119,10 +113,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
+def _request_default_flags(p: ArgumentParser) -> None:
+    """What a request that omits a field gets."""
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens of a request that omits it (default: --max-tokens-cap; it also ends at the context's end)")
+    sampling = "a request that omits it gets this (default: the model's generation_config.json, else its card's value"
+    p.add_argument("--temperature", type=float, default=None, help=f"{sampling}; the embedded model: 0.2; else 1)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{sampling}; the embedded model: 0.9; else 1)")
+    p.add_argument("--top-k", type=int, default=None, help=f"{sampling}; else 0: off)")
+    p.add_argument("--min-p", type=float, default=None, help=f"{sampling}; else 0: off)")
+    p.add_argument("--max-thinking-tokens", type=int, default=None,
+                   help="a thinking model's think block is closed after this many tokens, and the answer follows "
+                        "(default: no limit; a request's `max_thinking_tokens` overrides it)")
+
+
 def sampling_flag_problem(a: argparse.Namespace) -> Optional[str]:
     """What is wrong with the request defaults given (the ranges a request's own fields have)."""
     ranges = (("--temperature", a.temperature, 0.0, 2.0), ("--top-p", a.top_p, 1e-9, 1.0),
-              ("--top-k", a.top_k, 0, None), ("--min-p", a.min_p, 0.0, 1.0), ("--max-tokens", a.max_tokens, 1, a.max_tokens_cap))
+              ("--top-k", a.top_k, 0, None), ("--min-p", a.min_p, 0.0, 1.0), ("--max-tokens", a.max_tokens, 1, a.max_tokens_cap),
+              ("--max-thinking-tokens", a.max_thinking_tokens, 0, None))
     for flag, value, low, high in ranges:
         if value is not None and (value < low or (high is not None and value > high)):
             return f"{flag} {value} is outside [{low:g}, {'∞' if high is None else f'{high:g}'}]"
@@ -132,7 +141,7 @@ def sampling_flag_problem(a: argparse.Namespace) -> Optional[str]:
 def sampling_flags(a: argparse.Namespace) -> list[str]:
     """The worker's share of the request defaults: only those given."""
     given = (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k), ("--min-p", a.min_p),
-             ("--max-tokens", a.max_tokens))
+             ("--max-tokens", a.max_tokens), ("--max-thinking-tokens", a.max_thinking_tokens))
     return [f"{flag}={value}" for flag, value in given if value is not None]
 
 

@@ -19,6 +19,7 @@ from gateway.guard import Guard, Refused, cors_headers
 from gateway.link import QueueFull, Tracked, WorkerLink
 from gateway.openai_format import Shaper, error_body
 from gateway.openapi import describe
+from gateway.small import AUTH_PATHS, SmallEndpoints
 from gateway.sse import STALL_BYTES, ClientStalled, SseWriter
 from gateway.surfaces import Surfaces
 from protocol import messages as m
@@ -113,13 +114,13 @@ async def _cors_on_prepare(request: web.Request, response: web.StreamResponse) -
 async def errors_and_auth(request: web.Request, handler):
     gw = request.app[GATEWAY]
     key = gw.config.api_key
-    if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""  # the scheme is case-insensitive
+    if key and (request.path.startswith("/v1/") or request.path in AUTH_PATHS):
+        given = request.headers.get("Authorization", "") or request.headers.get("x-api-key", "")  # x-api-key: Anthropic's
+        token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         # header bytes that are not UTF-8 arrive surrogate-escaped: compare the bytes as sent
         if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
             msg = "missing API key" if not given else "invalid API key"
-            return json_error(401, f"{msg}: send `Authorization: Bearer <key>`", "invalid_api_key")
+            return json_error(401, f"{msg}: send `Authorization: Bearer <key>` or `x-api-key: <key>`", "invalid_api_key")
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -189,7 +190,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
     shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req),
-                    logprobs=top_logprobs(req) is not None)
+                    logprobs=top_logprobs(req) is not None, thinks=bool(gw.link.worker and gw.link.worker.thinks))
     limit = gw.config.request_timeout_s or None
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     try:
@@ -244,6 +245,8 @@ async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
         if isinstance(ev, m.TextDelta):
             parts.append(ev.text)
             logprobs.extend(ev.logprobs or [])
+        elif isinstance(ev, m.Queued):
+            shaper.queued(ev)
         elif isinstance(ev, m.Finished):
             return web.json_response(shaper.whole("".join(parts), ev, logprobs), headers={"X-Request-Id": t.id})
         elif isinstance(ev, m.Error):
@@ -273,7 +276,9 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
                     if ev is None:
                         await out.keepalive()
                         continue
-                if isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
+                if isinstance(ev, m.Queued):
+                    shaper.queued(ev)
+                elif isinstance(ev, m.TextDelta) and (chunk := shaper.delta(ev)) is not None:
                     await out.event(chunk)
                 elif isinstance(ev, (m.Finished, m.Error)):
                     ended = True
@@ -333,7 +338,8 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
     except QueueFull:
         return _refuse(rid, 429, f"{len(choices)} choices do not fit in the queue now; retry later", "queue_full", retry=True)
     log.info("[%s] admitted %d choices (%s, stream=%s)", rid, len(choices), req.mode, req.stream)
-    rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req))
+    rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req),
+                          bool(gw.link.worker and gw.link.worker.thinks))
 
     def cancel() -> None:
         for t in tracked:
@@ -447,4 +453,8 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces = Surfaces(gw.link, gw.config.max_tokens_cap, gw.started_at, lambda: gw.draining)
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
+    SmallEndpoints(gw.link, lambda: served_names(gw)).register(app)
+    from gateway import messages_api  # imports this module: added once it is whole
+
+    messages_api.routes(app)
     return app

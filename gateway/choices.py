@@ -139,9 +139,9 @@ def release_next(link: WorkerLink, tracked: list[Tracked]) -> None:
 
 
 def make_rows(rid: str, model: str, chat: bool, choices: list[Choice], tracked: list[Tracked],
-              tool_calls: bool) -> list[Row]:
+              tool_calls: bool, thinks: bool = False) -> list[Row]:
     want = top_logprobs(choices[0].request) is not None
-    return [Row(c, t, Shaper(rid, model, chat, tool_calls=tool_calls, index=c.index, logprobs=want))
+    return [Row(c, t, Shaper(rid, model, chat, tool_calls=tool_calls, index=c.index, logprobs=want, thinks=thinks))
             for c, t in zip(choices, tracked)]
 
 
@@ -155,6 +155,8 @@ async def whole(rows: list[Row], firsts: list, cancel: Callable[[], None], ended
             if isinstance(ev, m.TextDelta):
                 row.text.append(ev.text)
                 row.logprobs.extend(ev.logprobs or [])
+            elif isinstance(ev, m.Queued):
+                row.shaper.queued(ev)
             elif isinstance(ev, m.Finished):
                 row.finished, done = ev, done + 1
             elif isinstance(ev, m.Error):
@@ -185,7 +187,9 @@ async def stream(out: SseWriter, rows: list[Row], firsts: list, include_usage: b
                 await out.keepalive()
                 continue
             row, ev = got
-            if isinstance(ev, m.TextDelta) and (chunk := row.shaper.delta(ev)) is not None:
+            if isinstance(ev, m.Queued):
+                row.shaper.queued(ev)
+            elif isinstance(ev, m.TextDelta) and (chunk := row.shaper.delta(ev)) is not None:
                 await out.event(chunk)
             elif isinstance(ev, m.Finished):
                 row.finished, done = ev, done + 1

@@ -25,7 +25,7 @@ from typing import Iterable, Optional
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 CORS_METHODS = "GET, POST, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type"
+CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 CORS_EXPOSE = "X-Request-Id, Retry-After"
 
 

@@ -58,6 +58,7 @@ class WorkerLink:
         self.heard_at = time.monotonic()  # the ready worker's last heartbeat (stats or READY)
         self.worker_restarts = 0
         self.on_end: list[Callable[[Tracked, object], None]] = []  # observers of each request's last event
+        self.calls: dict[str, asyncio.Future] = {}  # /tokenize jobs waiting for their one answer
         self._seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._handlers = {
@@ -158,6 +159,20 @@ class WorkerLink:
         else:  # never reached a live worker: nothing to stop there
             self._end(t, release or m.Error(request_id, "cancelled", reason, 503))
 
+    async def call(self, job: m.TokenizeJob, within_s: float):
+        """A job that is not a generation (no admission, no slot): the worker's one answer, or a
+        503 Error when none comes within `within_s` or the worker dies first."""
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[job.request_id] = fut
+        self.jobs.send(codec.encode(job))
+        try:
+            async with asyncio.timeout(within_s):
+                return await fut
+        except TimeoutError:
+            return m.Error(job.request_id, "worker_unavailable", f"the worker did not answer within {within_s:g} s", 503)
+        finally:
+            self.calls.pop(job.request_id, None)
+
     def end_all(self, code: str, message: str, status: int = 503) -> None:
         """Ends every admitted request here with an error (the worker can no longer end them)."""
         for t in list(self.requests.values()):
@@ -182,6 +197,9 @@ class WorkerLink:
         if self.worker is None or batch.worker_pid != self.worker.pid:
             return  # late events of a worker that is gone
         for ev in batch.events:
+            call = self.calls.get(ev.request_id)
+            if call is not None and not call.done():
+                call.set_result(ev)
             t = self.requests.get(ev.request_id)
             if t is None:
                 continue
@@ -226,6 +244,9 @@ class WorkerLink:
         self.worker_stats = None
         self.worker_restarts += 1
         log.warning("worker %d exited with %d", down.pid, down.exit_code)
+        for call in self.calls.values():
+            if not call.done():
+                call.set_result(m.Error("", "worker_died", f"the worker process died (exit code {down.exit_code})", 503))
         for t in list(self.requests.values()):
             if t.started:
                 self._end(t, m.Error(t.id, "worker_died", f"the worker process died (exit code {down.exit_code}) while generating this response", 503))

@@ -9,6 +9,7 @@ from typing import Optional
 
 import msgspec
 
+from gateway.reasoning import Parts, ReasoningSplit, split
 from gateway.tools import Dropped, ToolCallStream, split_whole_dropping
 from protocol import messages as m
 
@@ -40,10 +41,13 @@ class Shaper:
     """Builds the response objects of one request for its endpoint (chat or completion)."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tool_calls: bool = False, index: int = 0,
-                 logprobs: bool = False):
+                 logprobs: bool = False, thinks: bool = False):
         """`tool_calls`: the request offered tools; calls in the text become `tool_calls`. `index`:
-        the choice this shaper builds; `logprobs`: each choice carries its tokens' log-probabilities."""
+        the choice this shaper builds; `logprobs`: each choice carries its tokens' log-probabilities;
+        `thinks`: the model thinks (chat: its think block goes to `reasoning_content` and `reasoning`)."""
         self.id, self.model, self.chat = request_id, model, chat
+        self.thinks, self.inside = thinks and chat, False
+        self.split: Optional[ReasoningSplit] = None  # made at the first text
         self.index, self.logprobs, self._offset = index, logprobs, 0
         self._drafted: list[bool] = []  # origins of tokens whose text is held back, for the next chunk
         self.calls = ToolCallStream() if tool_calls else None
@@ -53,12 +57,21 @@ class Shaper:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def queued(self, ev: m.Queued) -> None:
+        """The worker's verdict: whether the generation starts inside a think block."""
+        self.inside = ev.thinking
+
     def whole(self, text: str, finished: m.Finished, logprobs: Optional[list[m.TokenLogprob]] = None) -> dict:
         choice = {"index": self.index, "finish_reason": finish_reason(finished.finish_reason)}
         if self.logprobs:
             choice["logprobs"] = self._logprobs(logprobs or [], 0)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.thinks:  # the answer alone is content (and tool calls are read from it)
+                parts = split(text, self.inside)
+                text = choice["message"]["content"] = parts.content
+                reasoning = parts.reasoning or None
+                choice["message"].update(reasoning_content=reasoning, reasoning=reasoning)
             if self.calls is not None:
                 content, calls, dropped = split_whole_dropping(text, finished.finish_reason == "length")
                 self._log_dropped(dropped, finished.finish_reason)
@@ -78,22 +91,39 @@ class Shaper:
         if not (ev.text or ev.logprobs):
             return None
         drafted, self._drafted = self._drafted, []
-        out = self.chunk(text=ev.text, logprobs=ev.logprobs, drafted=drafted)
+        parts = self._parts(ev.text)
+        out = self.chunk(text=parts.content if parts.content or not self.thinks else None, logprobs=ev.logprobs, drafted=drafted, reasoning=parts.reasoning)
         choice = out["choices"][0]
         if self.chat and not choice["delta"] and "logprobs" not in choice:  # all held back (an open tool call)
             self._drafted = drafted + self._drafted
             return None
         return out
 
+    def _parts(self, text: str) -> Parts:
+        """A thinking model's text as (reasoning, answer); any other's as the answer."""
+        if not self.thinks:
+            return Parts(content=text)
+        if self.split is None:
+            self.split = ReasoningSplit(self.inside)
+        return self.split.feed(text)
+
     def chunk(self, text: Optional[str] = None, role: bool = False, finished: Optional[m.Finished] = None,
-              logprobs: Optional[list[m.TokenLogprob]] = None, drafted: Optional[list[bool]] = None) -> dict:
-        """`drafted`: a joint request's tokens' origins, as the `verity` extension (TokenOrigin)."""
+              logprobs: Optional[list[m.TokenLogprob]] = None, drafted: Optional[list[bool]] = None,
+              reasoning: str = "") -> dict:
+        """`drafted`: a joint request's tokens' origins, as the `verity` extension (TokenOrigin);
+        `reasoning`: think-block text (the last chunk adds what the splitter held back)."""
         choice: dict = {"index": self.index, "finish_reason": finish_reason(finished.finish_reason) if finished else None}
         if self.logprobs and (logprobs or not self.chat):
             choice["logprobs"] = self._logprobs(logprobs or [], self._offset)
-        self._offset += _chars(logprobs) if logprobs else len(text or "")
+        self._offset += _chars(logprobs) if logprobs else len(text or "") + len(reasoning)
+        if finished is not None and self.split is not None:
+            tail = self.split.finish()
+            reasoning += tail.reasoning
+            text = (text or "") + tail.content if tail.content else text
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             if self.calls is not None and (text or finished):
                 self._calls_delta(delta, text or "", finished)
                 if finished is not None and self.calls.calls:

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import msgspec
 from msgspec import Struct
 
+from gateway import small
 from protocol import messages as m
 from protocol.schema import MAX_STOP_STRINGS, NULL_ONLY, UNSUPPORTED_FIELDS
 
@@ -56,11 +57,15 @@ class Usage(Struct):
 
 
 class AssistantMessage(Struct, omit_defaults=True):
-    """`content` is null when the reply is only tool calls (`finish_reason` "tool_calls")."""
+    """`content` is null when the reply is only tool calls (`finish_reason` "tool_calls"). A
+    thinking model's think block is in both `reasoning_content` and `reasoning` (the two names
+    clients read), never in `content`; they are absent for a model that does not think."""
 
     role: Literal["assistant"]
     content: Optional[str]
     tool_calls: Optional[list[m.ToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatLogprobs(Struct):
@@ -130,9 +135,14 @@ class ChunkToolCall(Struct, omit_defaults=True):
 
 
 class ChunkDelta(Struct, omit_defaults=True):
+    """A thinking model streams its think block as `reasoning_content` and `reasoning` (the same
+    text), then its answer as `content`."""
+
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[ChunkToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatChunkChoice(Struct):
@@ -250,7 +260,8 @@ _MESSAGE_RULES = [
      "then": {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]},
      "else": {"properties": {"tool_call_id": {"type": "null"}}}},
     {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-     "then": {"properties": {"tool_calls": {"type": "null"}}}},
+     "then": {"properties": {"tool_calls": {"type": "null"}, "reasoning_content": {"type": "null"},
+                             "reasoning": {"type": "null"}}}},
 ]
 
 
@@ -327,12 +338,14 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
              max_body_bytes: int, request_timeout_s: Optional[float], aliases: tuple[str, ...] = ()) -> dict:
     """The OpenAPI 3.1 document of this server."""
     names = (model, *aliases) if model else ()
-    _, components = msgspec.json.schema_components([m.GenerateRequest, *RESPONSE_STRUCTS], ref_template=REF)
+    _, components = msgspec.json.schema_components([m.GenerateRequest, *RESPONSE_STRUCTS, *small.STRUCTS],
+                                                   ref_template=REF)
     base = components.pop("GenerateRequest")
     components["ContentPart"] = _PART
     components["Message"]["allOf"] = _MESSAGE_RULES
     components["ChatCompletionRequest"] = _request_schema(base, True, cap, names, joint)
     components["CompletionRequest"] = _request_schema(base, False, cap, names, joint)
+    small.narrow(components, components["ChatCompletionRequest"]["properties"]["model"] if names else None, REF)
     limits = _limits(context_limit, max_body_bytes, request_timeout_s)
     security = [{"bearer": []}] if auth else []
     doc = {
@@ -374,6 +387,7 @@ def _paths(limits: str, security: list, auth: bool) -> dict:
                            "Health", {"403": "refused Host or Origin", "503": "not ready (the body says why)"}, []),
     }
     paths["/v1/models/{model}"]["get"]["parameters"] = [model_param]
+    paths.update(small.openapi_paths(REF, _error, security))
     paths["/health"]["get"]["responses"]["503"] = {
         "description": "not serving now", "content": {"application/json": {"schema": {"$ref": REF.format(name="Health")}}}}
     return paths

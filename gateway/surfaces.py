@@ -20,7 +20,7 @@ from gateway.metrics import Counters, Exposition, render
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
@@ -62,7 +62,8 @@ class Surfaces:
     def _worker(self) -> dict | None:
         w = self.link.worker
         return None if w is None else {"pid": w.pid, "model": w.model_id, "draft_id": w.draft_id,
-                                       "joint_available": w.joint_available, "context_limit": w.context_limit}
+                                       "joint_available": w.joint_available, "context_limit": w.context_limit,
+                                       "thinks": w.thinks, "max_thinking_tokens": w.max_thinking_tokens}
 
     async def info(self, request: web.Request) -> web.Response:
         w = self._worker() or {}
@@ -73,6 +74,7 @@ class Surfaces:
             "max_active": self.link.max_active, "capacity": self.link.capacity,
             "served_model_names": [w["model"], *self.aliases] if w else [],
             "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
+            "thinks": w.get("thinks", False), "max_thinking_tokens": w.get("max_thinking_tokens"),
         })
 
     def _load(self) -> tuple[int, int]:

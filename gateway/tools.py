@@ -169,7 +169,7 @@ class ToolCallStream:
         while True:
             start = self.buffer.find(TOOL_CALL_START)
             if start < 0:
-                keep = _partial_marker(self.buffer)
+                keep = partial_marker(self.buffer)
                 content += self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
@@ -227,10 +227,10 @@ class ToolCallStream:
         return out
 
 
-def _partial_marker(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of the start marker."""
-    for n in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if text.endswith(TOOL_CALL_START[:n]):
+def partial_marker(text: str, marker: str = TOOL_CALL_START) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0
 

@@ -32,7 +32,7 @@ DecodeError = msgspec.DecodeError  # ValidationError is a subclass
 
 
 def job_decoder() -> Decoder:
-    return Decoder(m.SubmitRequest)
+    return Decoder(m.JobMessage)
 
 
 def control_decoder() -> Decoder:

@@ -50,6 +50,9 @@ class Message(Struct, forbid_unknown_fields=True):
     refusal: Optional[str] = None  # an assistant turn that refused: rendered as its content
     tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+    # an assistant turn's thinking, as a reply carried it (the template decides whether to render it)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class FunctionDef(Struct, forbid_unknown_fields=True):
@@ -92,6 +95,16 @@ class ResponseFormat(Struct, forbid_unknown_fields=True):
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+
+
+class ChatTemplateKwargs(Struct, forbid_unknown_fields=True):
+    """vLLM's `chat_template_kwargs`: the one key verity passes to the template (another: 400 by name)."""
+
+    enable_thinking: Optional[bool] = None
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+THINKING_OFF_EFFORTS = ("none", "minimal")  # reasoning_effort values that switch thinking off
 
 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -145,7 +158,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: Optional[ReasoningEffort] = None  # none/minimal: thinking off; the others on
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None  # enable_thinking: as `thinking`
     web_search_options: Any = None
     best_of: Optional[Annotated[int, Meta(ge=1)]] = None
     functions: Any = None  # deprecated for `tools`
@@ -155,7 +169,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     prompt_cache_key: Optional[str] = None  # accepted, unused: prefix reuse is automatic
     # verity's own
     mode: Optional[Mode] = "baseline"
-    thinking: Optional[bool] = None
+    thinking: Optional[bool] = None  # a thinking model's think block: None the model's default (check_request resolves the aliases)
+    max_thinking_tokens: Optional[Annotated[int, Meta(ge=0)]] = None  # tokens inside the think block, then it is closed
     ignore_eos: Optional[bool] = False
 
 
@@ -166,6 +181,18 @@ class SubmitRequest(Struct, tag=True):
     request_id: str
     request: GenerateRequest  # normalized by protocol.schema (max_tokens resolved, stop a list)
     gateway_pid: int = 0  # the gateway that admitted it: a restarted gateway disowns the dead one's
+
+
+class TokenizeJob(Struct, tag=True):
+    """gateway -> worker, on the jobs socket: /tokenize (`request`: messages through the chat
+    template, or a prompt string) or /detokenize (`tokens`); answered by a Tokens event."""
+
+    request_id: str
+    request: Optional[GenerateRequest] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tokens: Optional[list[int]] = None
+    token_strs: bool = False  # each token's own text too
 
 
 class CancelRequest(Struct, tag=True):
@@ -206,6 +233,8 @@ class Ready(Struct, tag=True):
     url: str = ""
     defaults: SamplingDefaults = SamplingDefaults()
     max_active: int = 0  # a worker's: requests it decodes at once
+    thinks: bool = False  # the model's chat template thinks (<think>...</think>, worker/thinking.py)
+    max_thinking_tokens: Optional[int] = None  # the worker's default thinking budget (None: none)
 
 
 class WorkerDown(Struct, tag=True):
@@ -241,6 +270,7 @@ class Queued(Struct, tag=True):
 
     request_id: str
     prompt_tokens: int
+    thinking: bool = False  # the generation starts inside the template's think block (gateway/reasoning.py)
 
 
 class Started(Struct, tag=True):
@@ -290,7 +320,16 @@ class Error(Struct, tag=True):
     param: Optional[str] = None
 
 
-Event = Union[Queued, Started, TextDelta, Finished, Error]
+class Tokens(Struct, tag=True):
+    """The answer to a TokenizeJob: the token ids and their text."""
+
+    request_id: str
+    tokens: list[int]
+    text: str
+    token_strs: Optional[list[str]] = None
+
+
+Event = Union[Queued, Started, TextDelta, Finished, Error, Tokens]
 
 
 class EventBatch(Struct, tag=True):
@@ -424,7 +463,7 @@ class CacheReply(Struct, tag=True):
 
 
 # One union per socket direction: decoders reject anything else.
-JobMessage = SubmitRequest
+JobMessage = Union[SubmitRequest, TokenizeJob]
 ControlMessage = Union[CancelRequest, DropOrphans]
 WorkerOutMessage = Union[Ready, EventBatch]
 SupervisorMessage = Union[Ready, WorkerDown]

@@ -8,12 +8,12 @@ from typing import Literal, Optional
 
 import msgspec
 
-from protocol.messages import GenerateRequest
+from protocol.messages import THINKING_OFF_EFFORTS, GenerateRequest
 from protocol.tool_rules import check_tools
 
 # OpenAI fields verity does not implement: null (or the neutral value) is accepted, anything else
 # refused by name, never silently ignored.
-NULL_ONLY = {"audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
+NULL_ONLY = {"audio": None, "modalities": None, "prediction": None,
              "web_search_options": None, "best_of": 1, "store": False, "service_tier": "auto", "suffix": "",
              "functions": None, "function_call": None, "verbosity": None}
 UNSUPPORTED_FIELDS = frozenset(NULL_ONLY)
@@ -42,13 +42,18 @@ class RequestInvalid(Exception):
 
 def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     """JSON bytes -> a checked, normalized GenerateRequest, or RequestInvalid."""
+    return check_request(decode_body(body, _decoder), endpoint)
+
+
+def decode_body(body: bytes, decoder: msgspec.json.Decoder):
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (every route's)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
         raise RequestInvalid(f"request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
     check_depth(body)
     try:
-        req = _decoder.decode(body)
+        req = decoder.decode(body)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
@@ -57,7 +62,7 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
         msgspec.msgpack.encode(req)
     except OverflowError:
         raise RequestInvalid("the request holds an integer beyond 64 bits", code="integer_out_of_range") from None
-    return check_request(req, endpoint)
+    return req
 
 
 def json_depth(body: bytes) -> int:
@@ -103,6 +108,7 @@ def check_request(req: GenerateRequest, endpoint: Endpoint) -> GenerateRequest:
         )
     req.max_tokens, req.max_completion_tokens = (a if a is not None else b), None
     _check_logprobs(req, endpoint)
+    resolve_thinking(req)
     check_tools(req, endpoint == "chat", RequestInvalid)
     if isinstance(req.stop, str):
         req.stop = [req.stop]
@@ -142,6 +148,9 @@ def _check_endpoint(req: GenerateRequest, endpoint: Endpoint) -> None:
 def _check_message(msg, i: int) -> None:
     """Content parts: text and refusal only (a refusal part reads as text). A null content reads
     as empty text (an assistant turn of tool calls or a refusal has none)."""
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(msg, name) is not None and msg.role != "assistant":
+            raise RequestInvalid(f"`messages[{i}].{name}`: only an assistant turn carries thinking", f"messages[{i}].{name}")
     if msg.content is None or isinstance(msg.content, str):
         return
     where = f"messages[{i}].content"
@@ -157,6 +166,22 @@ def _check_message(msg, i: int) -> None:
         if value is None:
             raise RequestInvalid(f"`{where}[{j}]`: a `{part.type}` part needs its `{part.type}` string",
                                  f"{where}[{j}].{part.type}")
+
+
+def resolve_thinking(req: GenerateRequest) -> None:
+    """`thinking`, `chat_template_kwargs.enable_thinking` and `reasoning_effort` (none/minimal: off,
+    the others on) into `thinking` alone; two that disagree are refused by name."""
+    kwargs = req.chat_template_kwargs
+    said = [("thinking", req.thinking),
+            ("chat_template_kwargs.enable_thinking", kwargs.enable_thinking if kwargs else None),
+            ("reasoning_effort", None if req.reasoning_effort is None else req.reasoning_effort not in THINKING_OFF_EFFORTS)]
+    given = [(name, v) for name, v in said if v is not None]
+    for name, v in given[1:]:
+        if v != given[0][1]:
+            raise RequestInvalid(f"`{name}` ({'on' if v else 'off'}) contradicts `{given[0][0]}` "
+                                 f"({'on' if given[0][1] else 'off'})", name, "conflicting_thinking_controls")
+    req.thinking = given[0][1] if given else None
+    req.chat_template_kwargs = None
 
 
 def _normalize_nulls(req: GenerateRequest) -> None:

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
 from protocol import messages as m
-from worker import blas_threads, memory
+from worker import blas_threads, memory, thinking
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
 from worker.batch.runner import BatchRunner, play
 from worker.emit import Emitter, QueuedRequest
@@ -45,6 +45,7 @@ class EngineConfig:
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
+    max_thinking_tokens: Optional[int] = None  # a thinking model's think block is closed after this many (None: never)
 
 
 class RequestError(Exception):
@@ -117,12 +118,17 @@ class Engine:
         self._draft_params = _n_params(draft.model) if draft else 0
         self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
+        self.think = thinking.detect(lm.tokenizer, lm.chat_template)  # None: the model does not think
         self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
 
     # ---- any thread ----
 
     def submit(self, request_id: str, req: m.GenerateRequest) -> int:
         """Tokenizes and queues a request; returns its prompt length or raises RequestError."""
+        return self.queue(request_id, req).prompt_tokens
+
+    def queue(self, request_id: str, req: m.GenerateRequest) -> m.Queued:
+        """submit, answered with the Queued event the gateway gets (whether it starts thinking)."""
         if req.mode == "joint" and self.draft is None:
             raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none "
                                "(start launch-stack with --draft)", param="mode")
@@ -140,7 +146,8 @@ class Engine:
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
         self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
-        return len(prompt)
+        inside = req.messages is not None and thinking.starts_inside(self.think, prompt)
+        return m.Queued(request_id, len(prompt), inside)
 
     def _prompt(self, req: m.GenerateRequest) -> list[int]:
         try:
@@ -294,8 +301,11 @@ class Engine:
         """The request's row, on caches that hold the longest prefix reuse has of its prompt."""
         req, reuse = r.req, self.reuse if r.plan else None
         sampling = sampling_for(req, self.config.defaults, self.vocab_size)
-        if r.grammar is not None:  # last: no processor after it re-allows a token
-            sampling.processors.append(self.grammars.processor(r.grammar))
+        answer = [self.grammars.processor(r.grammar)] if r.grammar is not None else []
+        if req.messages is not None:  # the think block's budget; the grammar holds for the answer only
+            budget = req.max_thinking_tokens if req.max_thinking_tokens is not None else self.config.max_thinking_tokens
+            answer = thinking.gate(self.think, r.prompt, req.thinking, budget, answer)
+        sampling.processors += answer  # last: no processor after it re-allows a token
         joint = req.mode == "joint"
         chooser, acceptor = self.controls(r.id, r.prompt) if self.controls and joint else (None, None)
         row = Row(r.id, r.prompt, sampling, make_key_fn(sampling.seed), joint=joint, chooser=chooser, acceptor=acceptor)

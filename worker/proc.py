@@ -34,6 +34,7 @@ from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
 from worker.loader import EMBEDDED, LoadedModel, PairingError, load_draft, load_model
 from worker.state.reuse import PrefixCache
+from worker.text import PromptInvalid, tokenize
 
 log = logging.getLogger("verity.worker")
 STATS_INTERVAL_S = 0.5
@@ -114,6 +115,7 @@ class WorkerProc:
             cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.lm.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
+            thinks=self.engine.think is not None, max_thinking_tokens=self.engine.config.max_thinking_tokens,
         )
 
     def run(self) -> int:
@@ -175,7 +177,7 @@ class WorkerProc:
     def _jobs_loop(self) -> None:
         for job in self._received(runtime.JOBS, codec.job_decoder(), "job"):
             faults.on_job()
-            if prompt_bytes(job.request) > LONG_PROMPT_BYTES:
+            if isinstance(job, m.TokenizeJob) or prompt_bytes(job.request) > LONG_PROMPT_BYTES:
                 self.long_jobs.put(job)
             elif not self.engine.grammars.ready(job.request):  # compiled on the pool, then queued
                 self.compiles.submit(self._submit_compiled, job)
@@ -199,7 +201,17 @@ class WorkerProc:
                 job = self.long_jobs.get(timeout=POLL_MS / 1000)
             except queue.Empty:
                 continue
-            self.outbox.put(m.EventBatch(self.pid, [self._submit(job)]))
+            self.outbox.put(m.EventBatch(self.pid, [self._tokenize(job) if isinstance(job, m.TokenizeJob)
+                                                    else self._submit(job)]))
+
+    def _tokenize(self, job: m.TokenizeJob):
+        """/tokenize and /detokenize: the Tokens, or an Error naming what the model cannot take."""
+        try:
+            return tokenize(self.lm.tokenizer, job, self.engine.vocab_size)
+        except PromptInvalid as e:
+            return m.Error(job.request_id, "invalid_token_id", str(e), 400, "tokens")
+        except Exception as e:  # a template may raise on odd conversations
+            return m.Error(job.request_id, "invalid_prompt", f"the prompt could not be rendered: {e}", 400, "messages")
 
     def _submit(self, job: m.SubmitRequest):
         """The job's first event: Queued, an Error, or Finished "cancelled" when its cancel came first."""
@@ -211,7 +223,7 @@ class WorkerProc:
         try:
             self._check_length(job.request)
             faults.before_submit(prompt_bytes(job.request) > LONG_PROMPT_BYTES)
-            n = self.engine.submit(rid, job.request)
+            queued = self.engine.queue(rid, job.request)
         except RequestError as e:
             log.info("[%s] refused: %s", rid, e.code)
             return m.Error(rid, e.code, e.message, e.status, e.param)
@@ -220,8 +232,8 @@ class WorkerProc:
             if self.early.take(rid):  # it came while the prompt was tokenized
                 log.info("[%s] cancel (it came while the job was tokenized)", rid)
                 self.engine.cancel(rid)
-        log.info("[%s] queued: %d prompt tokens", rid, n)
-        return m.Queued(rid, n)
+        log.info("[%s] queued: %d prompt tokens%s", rid, queued.prompt_tokens, ", thinking" if queued.thinking else "")
+        return queued
 
     def _check_length(self, req: m.GenerateRequest) -> None:
         """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""
@@ -275,6 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-budget", type=int, default=None)
     for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float), ("max-tokens", int)):
         p.add_argument(f"--{name}", type=kind, default=None, help="the default for requests that omit it")
+    p.add_argument("--max-thinking-tokens", type=int, default=None, help="close a think block after this many tokens")
     p.add_argument("--decision-log", default=None)
     p.add_argument("--recovery", choices=("fast", "replay"), default="fast")
     p.add_argument("--prefix-cache", action="store_true", help="reuse prefixes through the cache service")
@@ -313,7 +326,7 @@ def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> Engin
                         draft_budget=args.draft_budget, recovery=args.recovery,
                         decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
                         prefill_step=args.prefill_step or memory.default_prefill_step(),
-                        defaults=sampling_defaults(args))
+                        defaults=sampling_defaults(args), max_thinking_tokens=args.max_thinking_tokens)
 
 
 def build_engine(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],

@@ -6,7 +6,8 @@ from typing import Optional
 
 import msgspec
 
-from protocol.messages import GenerateRequest, Message
+from protocol import messages as m
+from protocol.messages import GenerateRequest
 from protocol.schema import message_text
 from worker import tools
 
@@ -35,6 +36,9 @@ def template_message(msg, template: Optional[str]) -> dict:
     out = {"role": role, "content": message_text(msg)}
     if msg.name is not None:
         out["name"] = msg.name
+    thought = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
+    if thought is not None:  # Qwen3's templates render it (or drop it) by their own rules
+        out["reasoning_content"] = thought
     return out
 
 
@@ -59,11 +63,29 @@ def answer_rendered(tokenizer, req: GenerateRequest, answer: str) -> list[int]:
     """The conversation with `answer` as the assistant's next message, as the template renders it
     (no generation prompt): what the next turn's prompt starts with when its client resends the
     answer (a call in the generic format renders as the text that made it)."""
-    nxt = msgspec.structs.replace(req, messages=[*req.messages, Message("assistant", answer)])
+    nxt = msgspec.structs.replace(req, messages=[*req.messages, m.Message("assistant", answer)])
     return _render(tokenizer, nxt, len(nxt.messages), add_generation_prompt=False)
 
 
-def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_prompt: bool) -> list[int]:
+def tokenize(tokenizer, job: m.TokenizeJob, vocab_size: int) -> m.Tokens:
+    """/tokenize (messages through the chat template, or a prompt string) and /detokenize."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    req = job.request
+    if job.tokens is not None:
+        bad = [t for t in job.tokens if t >= vocab_size]
+        if bad:
+            raise PromptInvalid(f"token id {bad[0]} is outside this model's vocabulary of {vocab_size}")
+        ids = job.tokens
+    elif req.messages is not None:
+        ids = _render(tokenizer, req, len(req.messages), job.add_generation_prompt, job.add_special_tokens)
+    else:
+        ids = list(hf.encode(req.prompt, add_special_tokens=job.add_special_tokens))
+    strs = [hf.decode([t]) for t in ids] if job.token_strs else None
+    return m.Tokens(job.request_id, ids, hf.decode(ids), strs)
+
+
+def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_prompt: bool,
+            add_special_tokens: bool = False) -> list[int]:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper would force a thinking default
     template = getattr(hf, "chat_template", None)
     msgs = [template_message(m, template if isinstance(template, str) else None) for m in req.messages[:n_messages]]
@@ -71,7 +93,7 @@ def _render(tokenizer, req: GenerateRequest, n_messages: int, add_generation_pro
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking
     text = hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 class StopMatcher:

@@ -1,0 +1,163 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) against a real stack on a
+tiny random model, through the real `anthropic` SDK: create, stream (event order), tools with a
+tool_result turn, tool_choice, count_tokens, errors in Anthropic's shape, cancel on disconnect,
+joint mode. The model's text is garbage: what is proven is shape and agreement."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anthropic
+import jsonschema
+import pytest
+
+from bench.tiny_models import build_tiny_model
+from stack import Stack, until
+
+KEY = "messages-key"
+WEATHER = {"name": "weather", "description": "The weather of a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                            "required": ["city", "days"], "additionalProperties": False}}
+CLOCK = {"name": "clock", "description": "The time now.",
+         "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    draft = build_tiny_model(tmp_path_factory.mktemp("messages-draft"), "llama", seed=1, perturb_from=tiny_llama, noise=0.3)
+    with Stack(str(tiny_llama), "--draft", str(draft), "--draft-budget", "3", "--max-tokens-cap", "256",
+               "--api-key", KEY) as s:
+        yield s
+    assert s.exit_code == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return anthropic.Anthropic(base_url=stack.url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(stack):
+    return stack.health()[1]["model"]
+
+
+def test_create_with_system_blocks(client, model):
+    msg = client.messages.create(model=model, max_tokens=12, messages=ASK,  # this SDK dropped the sampling arguments
+                                 system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                                 metadata={"user_id": "u1"}, extra_body={"temperature": 0, "top_k": 5, "top_p": 0.9})
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == model
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.output_tokens > 0
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 0
+
+
+def test_stream_events_in_order_and_equal_to_whole(client, model):
+    kw = dict(model=model, max_tokens=20, messages=ASK, extra_body={"ignore_eos": True, "temperature": 0})
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        events = [e.type for e in s if e.type in ("message_start", "content_block_start", "content_block_delta",
+                                                      "content_block_stop", "message_delta", "message_stop")]
+        final = s.get_final_message()
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[2:-3]) == {"content_block_delta"}
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == whole.usage.output_tokens == 20
+
+
+async def test_raw_stream_has_ping_and_event_lines(stack, model):
+    body = {"model": model, "max_tokens": 5, "messages": ASK, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.url + "/v1/messages?beta=true", json=body, headers={"x-api-key": KEY}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            text = (await r.read()).decode()
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    datas = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
+    assert [d["type"] for d in datas] == names  # each event's name is its data's type
+
+
+def test_tool_choice_any_then_a_tool_result_turn(client, model):
+    tools = [WEATHER, CLOCK]
+    msg = client.messages.create(model=model, max_tokens=120, messages=ASK, tools=tools,
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(uses) == 1
+    use = uses[0]
+    schema = next(t["input_schema"] for t in tools if t["name"] == use.name)
+    jsonschema.validate(use.input, schema)
+    turn = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"},
+                                               {"type": "text", "text": "Thanks. Summarize."}]}]
+    after = client.messages.create(model=model, max_tokens=10, messages=turn, tools=tools,
+                                   tool_choice={"type": "none"})
+    assert after.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in after.content)
+
+
+def test_tool_choice_names_a_tool_streamed(client, model):
+    with client.messages.stream(model=model, max_tokens=120, messages=ASK, tools=[WEATHER, CLOCK],
+                                tool_choice={"type": "tool", "name": "weather"}) as s:
+        deltas = [e.delta.partial_json for e in s if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        final = s.get_final_message()
+    use = next(b for b in final.content if b.type == "tool_use")
+    assert use.name == "weather" and use.id.startswith("toolu_") and final.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+    assert json.loads("".join(deltas)) == use.input  # the pieces add up to the input
+
+
+def test_count_tokens_equals_the_prompt_the_generation_reports(client, model):
+    kw = dict(model=model, messages=ASK, system="Be brief.", tools=[WEATHER])
+    counted = client.messages.count_tokens(**kw)
+    msg = client.messages.create(max_tokens=3, **kw)
+    assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 0
+
+
+def test_unknown_field_and_bad_max_tokens_are_400_in_anthropic_shape(client, model):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model, max_tokens=5, messages=ASK, extra_body={"frobnicate": 1})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "`frobnicate`" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model, max_tokens=0, messages=ASK)
+    assert "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi", "bogus": True}]}])
+    assert "messages[0].content[0].bogus" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-none", max_tokens=5, messages=ASK)
+    assert "ANTHROPIC_MODEL" in e.value.body["error"]["message"]
+
+
+def test_key_as_x_api_key_or_bearer(stack, model):
+    bearer = anthropic.Anthropic(base_url=stack.url, auth_token=KEY, api_key=None, max_retries=0)
+    assert bearer.messages.create(model=model, max_tokens=2, messages=ASK).usage.output_tokens > 0
+    for kw in ({"api_key": "wrong"}, {"auth_token": "wrong", "api_key": None}):
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=stack.url, max_retries=0, **kw).messages.create(
+                model=model, max_tokens=2, messages=ASK)
+        assert e.value.body["error"]["type"] == "authentication_error"
+
+
+async def test_client_disconnect_cancels(stack, model):
+    body = {"model": model, "max_tokens": 256, "messages": ASK, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(stack.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+        async for line in r.content:
+            if line.startswith(b"event: content_block_delta"):
+                break
+        rid = r.headers["X-Request-Id"]
+        r.close()
+    await until(stack.idle, 30, "the worker to drop the cancelled request")
+    assert f"[{rid}] client went away: cancelling" in stack.log()
+
+
+def test_joint_mode_equals_baseline_greedy(client, model):
+    kw = dict(model=model, max_tokens=24, messages=ASK)
+    base = client.messages.create(**kw, extra_body={"ignore_eos": True, "temperature": 0})
+    joint = client.messages.create(**kw, extra_body={"ignore_eos": True, "temperature": 0, "mode": "joint"})
+    assert joint.content[0].text == base.content[0].text
+    assert joint.model_extra["metrics"]["mode"] == "joint" and joint.model_extra["metrics"]["drafted"] > 0
