@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     _request_default_flags(p)
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name requests may give as `model` (repeatable); responses name what the request sent")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    _body_and_store_flags(p)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--keepalive-s", type=float, default=5.0)
     p.add_argument("--stall-s", type=float, default=10.0, help="a stream whose client reads nothing this long is cut")
@@ -143,6 +143,14 @@ def sampling_flags(a: argparse.Namespace) -> list[str]:
     given = (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k), ("--min-p", a.min_p),
              ("--max-tokens", a.max_tokens), ("--max-thinking-tokens", a.max_thinking_tokens))
     return [f"{flag}={value}" for flag, value in given if value is not None]
+
+
+def _body_and_store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--responses-max-count", type=int, default=1000,
+                   help="stored /v1/responses kept for GET and previous_response_id (the oldest go first)")
+    p.add_argument("--responses-max-bytes", type=byte_size, default=byte_size("256M"),
+                   help="bytes the stored responses may take, e.g. 64M (the oldest go first)")
 
 
 def _liveness_flags(p: argparse.ArgumentParser) -> None:
@@ -217,6 +225,8 @@ class Supervisor:
                                     "--max-connections", str(a.max_connections),
                                     "--header-timeout-s", str(a.header_timeout_s),
                                     "--body-timeout-s", str(a.body_timeout_s),
+                                    "--responses-max-count", str(a.responses_max_count),
+                                    "--responses-max-bytes", str(a.responses_max_bytes),
                                     *[f"--allow-host={h}" for h in a.allow_host],
                                     *[f"--served-model-name={n}" for n in a.served_model_name],
                                     *[f"--allow-origin={o}" for o in a.allow_origin],

@@ -57,6 +57,8 @@ class GatewayConfig:
     log_prompts: bool = False  # prompt text goes to the log only when asked for
     served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
     heartbeat_timeout_s: float = 10.0  # a worker silent this long makes /health 503
+    responses_max_count: int = 1000  # stored /v1/responses kept (gateway/response_store.py)
+    responses_max_bytes: int = 256 << 20
 
 
 class Gateway:
@@ -457,4 +459,6 @@ def make_app(gw: Gateway) -> web.Application:
     from gateway import messages_api  # imports this module: added once it is whole
 
     messages_api.routes(app)
+    from gateway import responses_api  # it imports this module's helpers
+    responses_api.routes(app)
     return app

@@ -44,6 +44,8 @@ def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
     p.add_argument("--max-connections", type=int, default=1024)
     p.add_argument("--header-timeout-s", type=float, default=10.0)
     p.add_argument("--body-timeout-s", type=float, default=30.0)
+    p.add_argument("--responses-max-count", type=int, default=GatewayConfig.responses_max_count)
+    p.add_argument("--responses-max-bytes", type=int, default=GatewayConfig.responses_max_bytes)
     a = p.parse_args(argv)
     limits = ConnectionLimits(a.max_connections, a.header_timeout_s, a.body_timeout_s)
     return GatewayConfig(
@@ -54,6 +56,7 @@ def parse_args(argv: list[str]) -> tuple[GatewayConfig, ConnectionLimits]:
         request_timeout_s=a.request_timeout_s or None, allow_hosts=tuple(a.allow_host),
         allow_origins=tuple(a.allow_origin), log_prompts=a.log_prompts,
         heartbeat_timeout_s=a.heartbeat_timeout_s, served_names=tuple(a.served_model_name),
+        responses_max_count=a.responses_max_count, responses_max_bytes=a.responses_max_bytes,
     ), limits
 
 

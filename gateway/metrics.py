@@ -40,6 +40,7 @@ class Histogram:
 @dataclass
 class Counters:
     http: Counter = field(default_factory=Counter)  # generation responses by HTTP status
+    kinds: Counter = field(default_factory=Counter)  # the same, by request kind (gateway/surfaces.py GENERATE_KINDS)
     finished: Counter = field(default_factory=Counter)  # by finish_reason
     errors: Counter = field(default_factory=Counter)  # admitted requests ended by an Error, by code
     error_statuses: Counter = field(default_factory=Counter)  # the same, by HTTP status (4xx: the client's)
@@ -79,7 +80,7 @@ class Counters:
 
     def totals(self) -> dict:
         return {
-            "responses": dict(self.http), "finished": dict(self.finished), "errors": dict(self.errors),
+            "responses": dict(self.http), "kinds": dict(self.kinds), "finished": dict(self.finished), "errors": dict(self.errors),
             "error_statuses": dict(self.error_statuses),
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "cached_tokens": self.cached_tokens, "cycles": self.cycles, "drafted": self.drafted,
@@ -152,6 +153,8 @@ def render(c: Counters, *, model: Optional[str], draft: Optional[str], worker_up
     e.one("worker_up", "gauge", "1 while a worker is ready to serve.", int(worker_up))
     e.one("worker_restarts_total", "counter", "Worker processes that died and were restarted.", worker_restarts)
     e.by("requests_total", "status", "Generation requests answered, by HTTP status.", c.http, ["200"])
+    e.by("requests_by_kind_total", "kind", "Generation requests answered, by kind (the API they came by).", c.kinds,
+         ["chat", "completion", "responses"])
     e.by("request_success_total", "finished_reason", "Requests that finished, by reason.", c.finished,
          ["stop", "length", "cancelled"])
     e.by("request_errors_total", "code", "Admitted requests that ended with an error, by code.", c.errors)

@@ -357,6 +357,8 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     }
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    from gateway.responses_openapi import add_responses  # it imports this module's helpers
+    add_responses(doc, cap, names, joint, limits, security)
     return doc
 
 

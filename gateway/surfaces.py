@@ -20,7 +20,9 @@ from gateway.metrics import Counters, Exposition, render
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# the generation routes, each its request kind (/metrics and `verity monitor` count them by kind)
+GENERATE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses",
+                  "/v1/messages": "messages"}
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
@@ -51,8 +53,9 @@ class Surfaces:
         app.router.add_get("/v1/verity/stats", self.stats)
 
     async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
-        if request.method == "POST" and request.path in GENERATE_PATHS:
+        if request.method == "POST" and request.path in GENERATE_KINDS:
             self.counters.http[str(response.status)] += 1
+            self.counters.kinds[GENERATE_KINDS[request.path]] += 1
         if request.path == "/" or request.path.startswith("/static/"):
             response.headers.update(UI_HEADERS)
 

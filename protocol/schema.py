@@ -45,8 +45,9 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
     return check_request(decode_body(body, _decoder), endpoint)
 
 
-def decode_body(body: bytes, decoder: msgspec.json.Decoder):
-    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (every route's)."""
+def decode_body(body: bytes, decoder: msgspec.json.Decoder, unsupported: frozenset = UNSUPPORTED_FIELDS):
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (`unsupported`: the
+    top-level fields refused as not supported rather than unknown)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:
@@ -55,7 +56,7 @@ def decode_body(body: bytes, decoder: msgspec.json.Decoder):
     try:
         req = decoder.decode(body)
     except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
+        raise validation_error(str(e), unsupported) from None
     except msgspec.DecodeError as e:
         raise RequestInvalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
     try:  # free-form JSON (a tool's schema, an ignored part's field) may hold what the wire cannot carry
@@ -83,14 +84,17 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
                              f"{limit} levels", code="json_too_deep")
 
 
-def _validation_error(text: str) -> RequestInvalid:
+def validation_error(text: str, unsupported: frozenset = UNSUPPORTED_FIELDS, prefix: str = "") -> RequestInvalid:
+    """msgspec's message -> a RequestInvalid naming the field; `prefix`: where the value checked sits."""
     path = _PATH_RE.search(text)
     param = (path.group(1).replace("[...]", "") if path else None) or None  # "[...]": a dict's value
+    if prefix:
+        param = prefix + ("" if not param else param if param.startswith("[") else "." + param)
     unknown = _UNKNOWN_RE.match(text)
     if unknown:
         name = unknown.group(1)
         full = f"{param}.{name}" if param else name
-        if not param and name in UNSUPPORTED_FIELDS:
+        if not param and name in unsupported:
             return RequestInvalid(f"`{name}` is not supported by verity", full, "unsupported_parameter")
         return RequestInvalid(f"unknown field `{full}`", full, "unknown_parameter")
     rule = _PATH_RE.sub("", text)

@@ -1,5 +1,6 @@
 """The clients people point at a local server, run against a real stack on a tiny random model:
-the openai SDK, langchain-openai, litellm and the `llm` CLI. The model's text is garbage, so
+the openai SDK, langchain-openai, litellm, the `llm` CLI and the OpenAI Agents SDK (over
+/v1/responses). The model's text is garbage, so
 what is proven is shape: structured output that parses and validates, tool calls that parse
 into their schemas, streamed tool-call deltas that add up to whole calls."""
 
@@ -189,6 +190,48 @@ def test_litellm_top_k_tools_and_response_format(stack, model):
     Weather.model_validate_json(called.choices[0].message.tool_calls[0].function.arguments)
     shaped = litellm.completion(**common, response_format=Person)
     Person.model_validate_json(shaped.choices[0].message.content)
+
+
+# ---- the OpenAI Agents SDK, over /v1/responses ----
+
+
+class Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sky: Literal["sunny", "rainy"]
+    degrees: int = Field(ge=-50, le=50)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_agents_sdk_runs_an_agent_with_a_function_tool(stack, model, streamed):
+    """A forced call (a tiny model would not choose one), its output sent back as a
+    function_call_output turn, and a final answer in the agent's output type (grammar-bounded, so
+    the loop ends): the agent loop completes over /v1/responses."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Looks up the weather of a city."""
+        asked.append(city)
+        return f"sunny in {city}, 21 degrees"
+
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(name="weather", instructions="Use the tool, then report.", tools=[get_weather], output_type=Report,
+                  model=OpenAIResponsesModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS,
+                                               temperature=0))
+    if streamed:
+        run = Runner.run_streamed(agent, "weather in Paris?", max_turns=4)
+        kinds = [e.type async for e in run.stream_events()]
+        assert "raw_response_event" in kinds
+    else:
+        run = await Runner.run(agent, "weather in Paris?", max_turns=4)
+    assert len(asked) == 1 and asked[0] in ("Paris", "Rome")
+    assert isinstance(run.final_output, Report)
+    kinds = [type(i).__name__ for i in run.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], kinds
 
 
 # ---- the llm CLI ----
