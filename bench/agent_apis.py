@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Iterator, Optional
 
-from bench.agent_script import TOOLS, Call, Item, Turn
+from bench.agent_script import TOOLS, Call, Item, Turn, arguments_dict
 from cli.client import TIMEOUT_S, ServerError
 
 APIS = ("chat", "messages", "responses")
@@ -47,6 +47,8 @@ class ChatClient:
 
     def __init__(self, url: str, max_tokens: int):
         self.url, self.max_tokens = url.rstrip("/") + PATHS[self.api], max_tokens
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
+            self.model = json.load(r)["data"][0]["id"]  # the name the stack serves
 
     def body(self, items: list[Item], tool_choice: str) -> dict:
         return {"messages": [self.message(i) for i in items], "max_tokens": self.max_tokens, "temperature": 0,
@@ -86,7 +88,107 @@ class ChatClient:
                     metrics.get("ttft_s"))
 
 
-CLIENTS = {"chat": ChatClient}
+class MessagesClient(ChatClient):
+    """Anthropic's Messages: calls as `tool_use` blocks, results as `tool_result` blocks of a user
+    turn, usage's input tokens plus cache reads."""
+
+    api = "messages"
+
+    def body(self, items: list[Item], tool_choice: str) -> dict:
+        choice = {"type": "any" if tool_choice == "required" else tool_choice, "disable_parallel_tool_use": True}
+        return {"model": self.model, "system": items[0].text, "messages": self.turns(items[1:]),
+                "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+                          for t in TOOLS],
+                "tool_choice": choice, "max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+
+    @staticmethod
+    def turns(items: list[Item]) -> list[dict]:
+        out: list[dict] = []
+        for i in items:
+            if i.role == "assistant":
+                blocks = ([{"type": "text", "text": i.text}] if i.text else []) + [
+                    {"type": "tool_use", "id": c.id, "name": c.name, "input": arguments_dict(c.arguments)} for c in i.calls]
+                out.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})
+            elif i.role == "tool":
+                block = {"type": "tool_result", "tool_use_id": i.call_id, "content": i.text}
+                if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                    out[-1]["content"].append(block)
+                else:
+                    out.append({"role": "user", "content": [block]})
+            else:
+                out.append({"role": "user", "content": i.text})
+        return out
+
+    def turn(self, items: list[Item], tool_choice: str) -> Turn:
+        t0, first, text, calls, use, metrics, finish = time.perf_counter(), None, [], [], {}, {}, ""
+        for now, _, ev in sse(self.url, self.body(items, tool_choice)):
+            kind = ev.get("type")
+            if kind == "error":
+                raise ServerError(str(ev.get("error")))
+            if kind == "content_block_start" and ev["content_block"]["type"] == "tool_use":
+                block = ev["content_block"]
+                calls.append(Call(block["id"], block["name"], ""))
+                first = first or now
+            elif kind == "content_block_delta":
+                d = ev["delta"]
+                first = first or now
+                if d["type"] == "text_delta":
+                    text.append(d["text"])
+                elif d["type"] == "input_json_delta":
+                    calls[-1].arguments += d["partial_json"]
+            elif kind == "message_delta":
+                use, metrics, finish = ev.get("usage") or {}, ev.get("metrics") or {}, ev["delta"].get("stop_reason") or ""
+        cached = use.get("cache_read_input_tokens", 0)
+        return Turn(use.get("input_tokens", 0) + cached, cached, (first or time.perf_counter()) - t0, "".join(text),
+                    calls, finish, metrics.get("ttft_s"))
+
+
+class ResponsesClient(ChatClient):
+    """OpenAI's Responses: `instructions`, calls as `function_call` items, results as
+    `function_call_output` items, usage's input tokens and their cached part; nothing stored."""
+
+    api = "responses"
+
+    def body(self, items: list[Item], tool_choice: str) -> dict:
+        return {"model": self.model, "instructions": items[0].text, "input": self.input(items[1:]),
+                "tools": [{"type": "function", **t} for t in TOOLS], "tool_choice": tool_choice,
+                "parallel_tool_calls": False, "max_output_tokens": self.max_tokens, "temperature": 0,
+                "stream": True, "store": False}
+
+    @staticmethod
+    def input(items: list[Item]) -> list[dict]:
+        out: list[dict] = []
+        for i in items:
+            if i.role == "tool":
+                out.append({"type": "function_call_output", "call_id": i.call_id, "output": i.text})
+                continue
+            if i.text or not i.calls:
+                out.append({"role": i.role, "content": i.text})
+            out += [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": c.arguments} for c in i.calls]
+        return out
+
+    def turn(self, items: list[Item], tool_choice: str) -> Turn:
+        t0, first, text, calls, done = time.perf_counter(), None, [], [], {}
+        for now, _, ev in sse(self.url, self.body(items, tool_choice)):
+            kind = ev.get("type", "")
+            if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+                first = first or now
+                text += [ev["delta"]] if kind == "response.output_text.delta" else []
+            elif kind == "response.output_item.added" and ev["item"]["type"] == "function_call":
+                first = first or now
+            elif kind == "response.output_item.done" and ev["item"]["type"] == "function_call":
+                calls.append(Call(ev["item"]["call_id"], ev["item"]["name"], ev["item"]["arguments"]))
+            elif kind in ("response.completed", "response.incomplete", "response.failed"):
+                done = ev["response"]
+        if done.get("status") == "failed":
+            raise ServerError(str(done.get("error")))
+        use, metrics = done.get("usage") or {}, done.get("metrics") or {}
+        return Turn(use.get("input_tokens", 0), (use.get("input_tokens_details") or {}).get("cached_tokens", 0),
+                    (first or time.perf_counter()) - t0, "".join(text), calls, done.get("status", ""),
+                    metrics.get("ttft_s"))
+
+
+CLIENTS = {"chat": ChatClient, "messages": MessagesClient, "responses": ResponsesClient}
 
 
 def served(url: str, api: str) -> bool:

@@ -26,7 +26,7 @@ from cli.client import ServerError, complete
 from cli.stack_process import StackError
 
 REUSE_GOAL, TTFT_GOAL, FROM_TURN = 0.90, 5.0, 3
-QUICK = {"prefix_tokens": 300, "max_tokens": 24}
+QUICK = {"prefix_tokens": 600, "max_tokens": 64}
 
 
 def tokens_per_char(url: str) -> float:
@@ -143,16 +143,16 @@ def report(results: dict, settings: dict, as_json: bool) -> None:
 
 def run_agent_loop(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k) if getattr(args, k) is not None else (QUICK[k] if args.quick else default)
-                for k, default in (("prefix_tokens", 1500), ("max_tokens", 48))}
+                for k, default in (("prefix_tokens", 1500), ("max_tokens", 64))}
     apis = list(APIS) if args.api == "all" else [args.api]
     hybrid = args.hybrid
-    if hybrid is None:
+    if hybrid is None and "hybrid" in args.models:
         from bench.tiny_models import build_tiny_model  # only to write the model's files
 
         hybrid = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="verity-bench-")) / "qwen3_5", "qwen3_5", seed=0,
                                           max_position_embeddings=32768))
     results = {}
-    for label, model in (("embedded", args.model), ("hybrid", hybrid)):
+    for label, model in [(k, v) for k, v in (("embedded", args.model), ("hybrid", hybrid)) if k in args.models]:
         progress(f"{label}: {model}")
         try:
             results[label] = measure(args, model, apis, settings)
@@ -167,9 +167,11 @@ def add_command(benches) -> None:
     p = benches.add_parser("agent-loop", help="prefix reuse in a 12-request tool-using agent loop, against the cache off")
     add_stack_args(p)
     p.add_argument("--api", choices=(*APIS, "all"), default="chat", help="the API the loop speaks (default chat)")
+    p.add_argument("--models", nargs="+", choices=("embedded", "hybrid"), default=["embedded", "hybrid"],
+                   help="which of the two models to run (default both; embedded: --model)")
     p.add_argument("--hybrid", default=None, help="the hybrid model (default: a tiny random Qwen3.5 built for the run)")
     p.add_argument("--prefix-tokens", type=int, default=None, help="the system prompt, about (default 1500)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer at most (default 48)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer at most (default 64)")
     p.add_argument("--quick", action="store_true", help=f"small settings for a test: {QUICK}")
     p.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     p.set_defaults(run=run_agent_loop)
