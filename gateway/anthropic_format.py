@@ -27,10 +27,12 @@ ERROR_TYPES = {400: (400, "invalid_request_error"), 401: (401, "authentication_e
 Event = tuple[str, dict]  # an SSE event's name and data
 
 
-def error_object(status: int, message: str, request_id: Optional[str] = None) -> tuple[int, dict]:
-    """An error's HTTP status and body in Anthropic's shape."""
+def error_object(status: int, message: str, request_id: Optional[str] = None, code: Optional[str] = None,
+                 param: Optional[str] = None) -> tuple[int, dict]:
+    """An error's HTTP status and body in Anthropic's shape; verity's `code` and `param` (the
+    field at fault) ride along in the error object, where Anthropic's clients ignore them."""
     sent, kind = ERROR_TYPES.get(status, (status if status >= 500 else 400, "api_error"))
-    body = {"type": "error", "error": {"type": kind, "message": message}}
+    body = {"type": "error", "error": {"type": kind, "message": message, "code": code, "param": param}}
     if request_id:
         body["request_id"] = request_id
     return sent, body
@@ -39,7 +41,7 @@ def error_object(status: int, message: str, request_id: Optional[str] = None) ->
 def stop_reason(finished: m.Finished, calls: bool) -> str:
     if finished.finish_reason == "length":
         return "max_tokens"
-    return "tool_use" if calls else "end_turn"
+    return "tool_use" if calls else "stop_sequence" if finished.stop_sequence is not None else "end_turn"
 
 
 def usage(metrics: m.RequestMetrics) -> dict:
@@ -74,9 +76,9 @@ class MessageShaper:
         self.index = -1
         self.created = time.time()
 
-    def _message(self, content: list, reason: Optional[str], use: dict) -> dict:
+    def _message(self, content: list, reason: Optional[str], use: dict, stop: Optional[str] = None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": None, "usage": use}
+                "stop_reason": reason, "stop_sequence": stop, "usage": use}
 
     # ---- whole ----
 
@@ -90,7 +92,7 @@ class MessageShaper:
             content.append({"type": "text", "text": answer})
         content += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": _input(c.arguments)}
                     for c in calls]
-        body = self._message(content, stop_reason(finished, bool(calls)), usage(finished.metrics))
+        body = self._message(content, stop_reason(finished, bool(calls)), usage(finished.metrics), finished.stop_sequence)
         body["metrics"] = metrics_dict(finished.metrics)  # verity's extension: clients ignore it
         return body
 
@@ -132,7 +134,8 @@ class MessageShaper:
         calls = bool(self.calls and self.calls.calls)
         use = usage(finished.metrics)
         out.append(("message_delta", {"type": "message_delta", "usage": use,
-                                      "delta": {"stop_reason": stop_reason(finished, calls), "stop_sequence": None},
+                                      "delta": {"stop_reason": stop_reason(finished, calls),
+                                                "stop_sequence": finished.stop_sequence},
                                       "metrics": metrics_dict(finished.metrics)}))
         out.append(("message_stop", {"type": "message_stop"}))
         return out

@@ -51,9 +51,21 @@ async def anthropic_errors(request: web.Request, handler):
         message = err["message"]
     except (ValueError, KeyError, TypeError):
         return resp
-    status, body = error_object(resp.status, message, resp.headers.get("X-Request-Id"))
+    param = _anthropic_names(err.get("param"))
+    status, body = error_object(resp.status, _anthropic_names(message), resp.headers.get("X-Request-Id"), err.get("code"), param)
     keep = {k: v for k, v in resp.headers.items() if k in ("X-Request-Id", "Retry-After", "Allow")}
     return web.json_response(body, status=status, headers=keep)
+
+
+# internal field names in the worker's refusals (a grammar's schema, a stop string) as the client sent them
+_RENAMES = ((".function.parameters", ".input_schema"), ("response_format.json_schema.schema", "output_config.format.schema"),
+            ("`stop`", "`stop_sequences`"))
+
+
+def _anthropic_names(text: Optional[str]) -> Optional[str]:
+    for internal, sent in _RENAMES:
+        text = text.replace(internal, sent) if text else text
+    return "stop_sequences" if text == "stop" else text
 
 
 async def _checked(request: web.Request, rid: str, parse, max_tokens):
@@ -148,8 +160,8 @@ async def _whole(t: Tracked, shaper: MessageShaper, first) -> web.Response:
         ev = await t.events.get()
 
 
-def _error_event(status: int, message: str, rid: str) -> bytes:
-    return sse(("error", error_object(status, message, rid)[1]))
+def _error_event(status: int, message: str, rid: str, code: Optional[str] = None) -> bytes:
+    return sse(("error", error_object(status, message, rid, code)[1]))
 
 
 async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: MessageShaper, first: m.Queued,
@@ -179,7 +191,7 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Message
                     break
                 elif isinstance(ev, m.Error):
                     ended = True
-                    await out.write(_error_event(ev.status, ev.message, t.id))
+                    await out.write(_error_event(ev.status, ev.message, t.id, ev.code))
                     break
             await resp.write_eof()
             return resp
@@ -194,7 +206,7 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Message
     if transport is not None and transport.get_write_buffer_size() < STALLED_WRITE_BYTES:
         try:
             async with asyncio.timeout(WRITE_GRACE_S):
-                await resp.write(_error_event(504, _time_limit_message(gw.config.request_timeout_s), t.id))
+                await resp.write(_error_event(504, _time_limit_message(gw.config.request_timeout_s), t.id, "request_timeout"))
                 await resp.write_eof()
                 return resp
         except TimeoutError:

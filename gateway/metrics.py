@@ -154,7 +154,7 @@ def render(c: Counters, *, model: Optional[str], draft: Optional[str], worker_up
     e.one("worker_restarts_total", "counter", "Worker processes that died and were restarted.", worker_restarts)
     e.by("requests_total", "status", "Generation requests answered, by HTTP status.", c.http, ["200"])
     e.by("requests_by_kind_total", "kind", "Generation requests answered, by kind (the API they came by).", c.kinds,
-         ["chat", "completion", "responses"])
+         ["chat", "completion", "messages", "responses"])
     e.by("request_success_total", "finished_reason", "Requests that finished, by reason.", c.finished,
          ["stop", "length", "cancelled"])
     e.by("request_errors_total", "code", "Admitted requests that ended with an error, by code.", c.errors)

@@ -23,7 +23,7 @@ from typing import Literal, Optional
 import msgspec
 from msgspec import Struct
 
-from gateway import small
+from gateway import messages_openapi, small
 from protocol import messages as m
 from protocol.schema import MAX_STOP_STRINGS, NULL_ONLY, UNSUPPORTED_FIELDS
 
@@ -359,6 +359,7 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     from gateway.responses_openapi import add_responses  # it imports this module's helpers
     add_responses(doc, cap, names, joint, limits, security)
+    messages_openapi.add(doc, names, joint, auth, REF)  # Anthropic's Messages API
     return doc
 
 

@@ -10,6 +10,7 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
+from collections import Counter
 from typing import Callable
 
 import msgspec
@@ -40,7 +41,7 @@ class Surfaces:
 
     def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
         self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
-        self.counters = Counters()
+        self.counters = Counters(kinds=Counter(dict.fromkeys(GENERATE_KINDS.values(), 0)))
         self.aliases: tuple[str, ...] = ()  # --served-model-name
         link.on_end.append(self.counters.observe)
 

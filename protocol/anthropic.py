@@ -25,7 +25,7 @@ ACCEPTED_IGNORED = ("cache_control", "citations", "context_management", "contain
                     "workspace_id", "metadata.user_id", "thinking.display", "tools[].strict",
                     "tools[].eager_input_streaming", "tools[].defer_loading", "tools[].input_examples",
                     "tools[].allowed_callers", "tool_use.caller", "thinking.signature", "tool_result.is_error")
-UNSERVED_BLOCKS = ("image", "document")  # decoded only to be refused by name: the model reads text
+UNSERVED_BLOCKS = ("image", "document")  # refused by name: the model reads text
 
 
 class TextBlock(Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
@@ -34,17 +34,13 @@ class TextBlock(Struct, tag="text", tag_field="type", forbid_unknown_fields=True
     citations: Any = None
 
 
-class ImageBlock(Struct, tag="image", tag_field="type", forbid_unknown_fields=True):
-    source: Any = None
+class TextPart(Struct, forbid_unknown_fields=True):
+    """A text block where only text may stand (`system`, a tool result's content): `type` required."""
+
+    type: Literal["text"]
+    text: str
     cache_control: Any = None
-
-
-class DocumentBlock(Struct, tag="document", tag_field="type", forbid_unknown_fields=True):
-    source: Any = None
-    title: Optional[str] = None
-    context: Optional[str] = None
     citations: Any = None
-    cache_control: Any = None
 
 
 class ToolUseBlock(Struct, tag="tool_use", tag_field="type", forbid_unknown_fields=True):
@@ -57,7 +53,7 @@ class ToolUseBlock(Struct, tag="tool_use", tag_field="type", forbid_unknown_fiel
 
 class ToolResultBlock(Struct, tag="tool_result", tag_field="type", forbid_unknown_fields=True):
     tool_use_id: str
-    content: Union[str, list[Union[TextBlock, ImageBlock, DocumentBlock]]] = ""
+    content: Union[str, list[TextPart]] = ""
     is_error: Optional[bool] = None
     cache_control: Any = None
 
@@ -71,15 +67,15 @@ class RedactedThinkingBlock(Struct, tag="redacted_thinking", tag_field="type", f
     data: str
 
 
-Block = Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock]
+Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock]
 
 
-class Message(Struct, forbid_unknown_fields=True):
+class MessageParam(Struct, forbid_unknown_fields=True):
     role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation reminders
     content: Union[str, list[Block]]
 
 
-class Tool(Struct, forbid_unknown_fields=True):
+class ToolParam(Struct, forbid_unknown_fields=True):
     name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     input_schema: dict[str, Any]
     description: Optional[str] = None
@@ -148,9 +144,9 @@ class CountTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /v1/messages/count_tokens: what shapes the prompt."""
 
     model: str
-    messages: list[Message]
-    system: Union[str, list[TextBlock], None] = None
-    tools: Optional[list[Tool]] = None
+    messages: list[MessageParam]
+    system: Union[str, list[TextPart], None] = None
+    tools: Optional[list[ToolParam]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
@@ -185,11 +181,23 @@ _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 
 
 def parse_messages(body: bytes) -> MessagesRequest:
-    return _checked(decode_body(body, _messages_decoder))
+    return _checked(_decoded(body, _messages_decoder))
 
 
 def parse_count(body: bytes) -> CountTokensRequest:
-    return _checked(decode_body(body, _count_decoder))
+    return _checked(_decoded(body, _count_decoder))
+
+
+def _decoded(body: bytes, decoder: msgspec.json.Decoder):
+    """The body decoded; a block type the model cannot read is refused by name."""
+    try:
+        return decode_body(body, decoder)
+    except RequestInvalid as e:
+        kind = next((k for k in UNSERVED_BLOCKS if f"Invalid value '{k}'" in e.message), None)
+        if kind is None or not (e.param or "").endswith(".type"):
+            raise
+        raise RequestInvalid(f"`{e.param[:-5]}`: content blocks of type `{kind}` are not supported: this server's "
+                             "model reads text only", e.param, "unsupported_content") from None
 
 
 def _checked(req):
@@ -198,22 +206,13 @@ def _checked(req):
         raise RequestInvalid("`messages` must not be empty", "messages")
     for i, msg in enumerate(req.messages):
         for j, block in enumerate([] if isinstance(msg.content, str) else msg.content):
-            kind = block.__struct_config__.tag
-            if kind in UNSERVED_BLOCKS:
-                raise RequestInvalid(f"`messages[{i}].content[{j}]`: content blocks of type `{kind}` are not supported: "
-                                     "this server's model reads text only", f"messages[{i}].content[{j}].type",
-                                     "unsupported_content")
-            if isinstance(block, ToolResultBlock) and not isinstance(block.content, str):
-                bad = next((b for b in block.content if not isinstance(b, TextBlock)), None)
-                if bad is not None:
-                    raise RequestInvalid(f"`messages[{i}].content[{j}].content`: only text blocks are supported in a "
-                                         "tool result", f"messages[{i}].content[{j}].content", "unsupported_content")
-            if isinstance(block, (ToolUseBlock, ToolResultBlock)) and msg.role != ("assistant" if isinstance(block, ToolUseBlock) else "user"):
-                raise RequestInvalid(f"`{kind}` blocks belong to {'assistant' if kind == 'tool_use' else 'user'} messages",
+            owner = "assistant" if isinstance(block, ToolUseBlock) else "user" if isinstance(block, ToolResultBlock) else None
+            if owner and msg.role != owner:
+                raise RequestInvalid(f"`{block.__struct_config__.tag}` blocks belong to {owner} messages",
                                      f"messages[{i}].content[{j}]", "invalid_tools")
     if req.messages[-1].role == "assistant":
         raise RequestInvalid("a last `assistant` message (prefill) is not supported by verity: end with a user turn",
-                             f"messages[{len(req.messages) - 1}].role", "unsupported_parameter")
+                             f"messages[{len(req.messages) - 1}].role", "prefill_unsupported")
     stops = getattr(req, "stop_sequences", None)
     if stops is not None and (len(stops) > MAX_STOP_STRINGS or "" in stops):
         raise RequestInvalid(f"`stop_sequences` takes at most {MAX_STOP_STRINGS} non-empty strings", "stop_sequences")
@@ -230,7 +229,7 @@ def _checked(req):
 
 
 def _text(blocks: Union[str, list]) -> str:
-    return blocks if isinstance(blocks, str) else "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+    return blocks if isinstance(blocks, str) else "\n".join(b.text for b in blocks if isinstance(b, (TextBlock, TextPart)))
 
 
 def _turns(req: CountTokensRequest) -> list[m.Message]:

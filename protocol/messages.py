@@ -308,6 +308,7 @@ class Finished(Struct, tag=True):
     request_id: str
     finish_reason: FinishReason
     metrics: RequestMetrics
+    stop_sequence: Optional[str] = None  # the stop string that ended it (finish_reason "stop")
 
 
 class Error(Struct, tag=True):

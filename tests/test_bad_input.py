@@ -375,7 +375,7 @@ def test_schemathesis_finds_no_server_error(served, tmp_path, reliability):
         path = urlsplit(e["request"]["url"]).path
         op = "/v1/models/{model}" if path.startswith("/v1/models/") else path
         by_op[f"{e['request']['method']} {op}"][e["response"]["status"]] += 1
-    for op in ("POST /v1/chat/completions", "POST /v1/completions"):
+    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages"):
         assert by_op[op][200] > 0, (op, dict(by_op[op]))  # a server that refuses everything does not pass
     assert not any(status >= 500 for c in by_op.values() for status in c), dict(by_op)
     status, body = served.health()
@@ -395,4 +395,4 @@ def test_schemathesis_finds_no_server_error(served, tmp_path, reliability):
 
 
 DOCUMENTED = {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
-              "GET /health"}
+              "GET /health", "POST /v1/messages", "POST /v1/messages/count_tokens"}

@@ -6,8 +6,11 @@ joint mode. The model's text is garbage: what is proven is shape and agreement."
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 
 import aiohttp
+import msgspec
 import anthropic
 import jsonschema
 import pytest
@@ -66,6 +69,18 @@ def test_stream_events_in_order_and_equal_to_whole(client, model):
     assert set(events[2:-3]) == {"content_block_delta"}
     assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == whole.usage.output_tokens == 20
+
+
+def test_stop_sequences_name_the_one_that_ended_it(client, model):
+    kw = dict(model=model, max_tokens=30, messages=ASK, extra_body={"ignore_eos": True, "temperature": 0})
+    text = client.messages.create(**kw).content[0].text
+    stop = text[len(text) // 2:][:3]
+    msg = client.messages.create(**kw, stop_sequences=["\u2603never", stop])
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+    assert msg.content[0].text == text[: text.index(stop)]
+    with client.messages.stream(**kw, stop_sequences=[stop]) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", stop, msg.content[0].text)
 
 
 async def test_raw_stream_has_ping_and_event_lines(stack, model):
@@ -161,3 +176,47 @@ def test_joint_mode_equals_baseline_greedy(client, model):
     joint = client.messages.create(**kw, extra_body={"ignore_eos": True, "temperature": 0, "mode": "joint"})
     assert joint.content[0].text == base.content[0].text
     assert joint.model_extra["metrics"]["mode"] == "joint" and joint.model_extra["metrics"]["drafted"] > 0
+
+
+async def test_responses_fit_the_openapi_shapes(stack, model):
+    """Real answers convert into the structs /openapi.json describes (gateway/messages_openapi.py)."""
+    from gateway import messages_openapi as shapes
+
+    body = {"model": model, "max_tokens": 40, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+    async with aiohttp.ClientSession(headers={"x-api-key": KEY}) as http:
+        async with http.get(stack.url + "/openapi.json") as r:
+            doc = await r.json()
+        assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(doc["paths"])
+        assert doc["components"]["schemas"]["MessagesRequest"]["properties"]["model"]["enum"] == [model]
+        async with http.post(stack.url + "/v1/messages", json=body) as r:
+            msgspec.convert(await r.json(), shapes.AnthropicMessage)
+        async with http.post(stack.url + "/v1/messages", json={**body, "stream": True}) as r:
+            events = [msgspec.json.decode(line[6:], type=shapes.StreamEvent)
+                      for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert {type(e).__name__ for e in events} >= {"MessageStart", "ContentBlockDelta", "MessageDelta", "MessageStop"}
+        async with http.post(stack.url + "/v1/messages/count_tokens", json={"model": model, "messages": ASK}) as r:
+            msgspec.convert(await r.json(), shapes.CountTokensResponse)
+        async with http.post(stack.url + "/v1/messages", json={"model": model, "messages": ASK}) as r:
+            assert r.status == 400
+            err = msgspec.convert(await r.json(), shapes.AnthropicError)
+        assert "max_tokens" in err.error.message and err.error.type == "invalid_request_error"
+
+
+def test_metrics_and_monitor_show_the_messages_kind(stack, client, model):
+    """/metrics counts answered requests by kind; `verity monitor` shows the same counts."""
+    from rich.console import Console
+
+    from cli.monitor import Monitor, fetch_stats, render
+
+    client.messages.create(model=model, max_tokens=2, messages=ASK)
+    metrics = urllib.request.urlopen(stack.url + "/metrics").read().decode()
+    counts = dict(re.findall(r'^verity:requests_by_kind_total\{kind="(\w+)"\} (\d+)', metrics, re.M))
+    assert int(counts["messages"]) > 0 and "chat" in counts and "completion" in counts
+    stats = fetch_stats(stack.url, KEY)
+    assert stats["totals"]["kinds"]["messages"] == int(counts["messages"])
+    mon = Monitor(stack.url)
+    mon.update(stats)
+    console = Console(width=120, record=True)
+    console.print(render(mon))
+    text = console.export_text()
+    assert "chat · completion · messages" in text and f"0 · 0 · {counts['messages']}" in text

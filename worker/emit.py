@@ -98,7 +98,7 @@ class Emitter:
             if tail:
                 r.text.append(tail)
                 events.append(m.TextDelta(r.id, tail, []))
-        r.finished = m.Finished(r.id, reason, self.metrics(r))
+        r.finished = m.Finished(r.id, reason, self.metrics(r), stop_sequence=r.stop.hit if r.stop else None)
         events.append(r.finished)
         return True
 

@@ -102,16 +102,18 @@ class StopMatcher:
     def __init__(self, stops: Optional[list[str]]):
         self.stops = stops or []
         self.pending = ""
+        self.hit: Optional[str] = None  # the stop string found (the first in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.hit = min(hits, key=lambda h: h[0])
             self.pending = ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = self._partial_tail(buf)
         self.pending = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
