@@ -1,14 +1,16 @@
 """`verity bench agent-loop`: prefix reuse in an agent's loop, over HTTP.
 
 For each model (the embedded SmolLM2, pure attention; a tiny random Qwen3.5, hybrid, built for the
-run) and each API asked for, it starts a launch-stack with reuse on and replays the 12-request
-tool-using conversation of bench/agent_script.py (each request resends everything: the system
-prompt, every answer with its tool calls, every tool result, the new message), then starts one
-with the cache off (`--cache-bytes 0`) and sends it the very same requests. Per request it prints
-the prompt tokens, the tokens reused (usage's cached tokens), the time to first output of both runs
-and their ratio, and whether the two answers are the same (greedy: they must be).
+run) it starts two launch-stacks, one with reuse on and one with the cache off (`--cache-bytes 0`),
+and for each API asked for plays the 12-request tool-using conversation of bench/agent_script.py
+(each request resends everything: the system prompt, every answer with its tool calls, every tool
+result, the new message), each request to both stacks in turn, the answer of the one with reuse
+going into the next request. Per request it prints the prompt tokens, the tokens reused (usage's
+cached tokens), the first token's time in both stacks and their ratio, the client's time to first
+output, and whether the two answers are the same (greedy: they must be).
 
-Goal, from the third request on: ≥ 90% of the prompt reused and first output ≥ 5× sooner than cold.
+Goal, from the third request on: ≥ 90% of the prompt reused and the first token ≥ 5× sooner than
+with the cache off.
 """
 
 from __future__ import annotations
@@ -43,46 +45,38 @@ def tokens_per_char(url: str) -> float:
 Sent = list[tuple[list[Item], str]]  # each request: its conversation and its tool_choice
 
 
-def live_run(client, start: list[Item]) -> tuple[Sent, list[Turn]]:
-    """The loop with reuse on: each request is the conversation so far; its answer goes into the next."""
-    items, rng, sent, turns = list(start), random.Random(7), [], []
+def loop(warm, cold, start: list[Item]) -> tuple[Sent, list[Turn], list[Turn]]:
+    """The loop, a request at a time: to the stack with reuse on (its answer goes into the next
+    request), then the very same request to the one with the cache off (the two alternate, so a
+    shared machine's drift spreads over both)."""
+    items, rng, sent, live, off = list(start), random.Random(7), [], [], []
     for step, (_, tool_choice) in enumerate(STEPS):
-        items += next_items(step, turns[-1] if turns else None, rng)
-        if turns and not turns[-1].calls and STEPS[step][0] == "tool":
+        items += next_items(step, live[-1] if live else None, rng)
+        if live and not live[-1].calls and STEPS[step][0] == "tool":
             tool_choice = "required"  # the previous answer called nothing: ask again
         sent.append((list(items), tool_choice))
-        turn = client.turn(items, tool_choice)
-        turns.append(turn)
-        items.append(answer_item(turn))
-        progress(f"  {client.api} turn {step + 1:2d}: {turn.prompt_tokens} prompt tokens, {turn.cached_tokens} reused, "
-                 f"first output {turn.ttft_s * 1000:.0f} ms ({len(turn.calls)} calls, finish {turn.finish})")
-    return sent, turns
-
-
-def replay(client, sent: Sent) -> list[Turn]:
-    """The same requests, to a stack with the cache off."""
-    out = []
-    for step, (items, tool_choice) in enumerate(sent):
-        out.append(client.turn(items, tool_choice))
-        progress(f"  {client.api} cold turn {step + 1:2d}: first output {out[-1].ttft_s * 1000:.0f} ms")
-    return out
+        live.append(warm.turn(items, tool_choice))
+        off.append(cold.turn(items, tool_choice))
+        items.append(answer_item(live[-1]))
+        w, c = live[-1], off[-1]
+        progress(f"  {warm.api} turn {step + 1:2d}: {w.prompt_tokens} prompt tokens, {w.cached_tokens} reused; first "
+                 f"token {_first(w) * 1000:.0f} ms, cache off {_first(c) * 1000:.0f} ms ({len(w.calls)} calls, {w.finish})")
+    return sent, live, off
 
 
 def measure(args: argparse.Namespace, model: str, apis: list[str], settings: dict) -> dict:
-    """Both runs of every API on one model: {api: {"turns": [...], ...}} (or {"served": False})."""
-    results, recorded = {}, {}
-    with start_stack(argparse.Namespace(**{**vars(args), "model": model})) as stack:
+    """Every API's loop on one model, reuse on against the cache off: {api: summary}."""
+    results: dict = {}
+    stack_args = argparse.Namespace(**{**vars(args), "model": model})
+    with start_stack(stack_args) as stack, start_stack(stack_args, ("--cache-bytes", "0")) as cold_stack:
         tpc = tokens_per_char(stack.url)
-        for api in apis:
+        for i, api in enumerate(apis):
             if not served(stack.url, api):
                 progress(f"  {api}: not served by this build")
                 results[api] = {"served": False}
                 continue
-            client = CLIENTS[api](stack.url, settings["max_tokens"])
-            recorded[api] = live_run(client, opening(settings["prefix_tokens"], tpc, seed=len(recorded)))
-    with start_stack(argparse.Namespace(**{**vars(args), "model": model}), ("--cache-bytes", "0")) as cold_stack:
-        for api, (sent, live) in recorded.items():
-            cold = replay(CLIENTS[api](cold_stack.url, settings["max_tokens"]), sent)
+            clients = [CLIENTS[api](url, settings["max_tokens"]) for url in (stack.url, cold_stack.url)]
+            _, live, cold = loop(*clients, opening(settings["prefix_tokens"], tpc, seed=i))
             results[api] = summary(live, cold)
     results["exit_codes"] = [stack.exit_code, cold_stack.exit_code]
     return results

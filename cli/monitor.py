@@ -179,7 +179,6 @@ def _figures(s: dict) -> Table:
     ])
     requests = _kv("requests", [
         ("finished", str(sum(finished.values()))),
-        ("by kind", " · ".join(f"{k} {n}" for k, n in sorted(tot.get("kinds", {}).items())) or NONE),
         ("stop · length · cancelled", f"{finished.get('stop', 0)} · {finished.get('length', 0)} · {finished.get('cancelled', 0)}"),
         ("answered 4xx · 5xx", f"{answered[4]} · {answered[5]}"),  # client errors apart from server errors
         *_kinds(tot.get("kinds") or {}),

@@ -22,8 +22,8 @@ from gateway.metrics import Counters, Exposition, render
 
 STATIC_DIR = Path(__file__).parent / "static"
 # the generation routes, each its request kind (/metrics and `verity monitor` count them by kind)
-GENERATE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses",
-                  "/v1/messages": "messages"}
+GENERATE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages",
+                  "/v1/responses": "responses"}
 # Everything the page uses comes from this server: no CDN, no fonts, no analytics.
 UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}

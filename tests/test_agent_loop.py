@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from bench.agent_apis import ChatClient
-from bench.agent_loop import live_run, replay, tokens_per_char
+from bench.agent_loop import loop, tokens_per_char
 from bench.agent_script import opening
 from bench.tiny_models import tiny_model_dir
 from protocol import messages as m
@@ -47,10 +47,10 @@ def test_agent_loop_reuses_prompt_and_answers_exactly(models, arch):
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(models[arch])
-    with Stack(str(models[arch])) as s:
+    with Stack(str(models[arch])) as s, Stack(str(models[arch]), "--cache-bytes", "0") as off:
         client = ChatClient(s.url, MAX_TOKENS)
-        sent, live = live_run(client, opening(PREFIX_TOKENS, tokens_per_char(s.url)))
-    assert s.exit_code == 0
+        sent, live, cold = loop(client, ChatClient(off.url, MAX_TOKENS), opening(PREFIX_TOKENS, tokens_per_char(s.url)))
+    assert s.exit_code == 0 and off.exit_code == 0
     shares = [t.cached_tokens / t.prompt_tokens for t in live]
     assert shares[0] < 0.05 and min(shares[2:]) >= 0.90, shares  # a fresh system prompt, then reuse
     assert sum(len(t.calls) for t in live) >= 4, "the loop made tool calls"
@@ -58,8 +58,6 @@ def test_agent_loop_reuses_prompt_and_answers_exactly(models, arch):
         req = request_of(client, *sent[n])  # at most, the separator the template puts after its end token
         assert req.messages[-2].role == "assistant"
         assert live[n].cached_tokens >= answer_end(tokenizer, req) - 1, (n, live[n].cached_tokens)
-    with Stack(str(models[arch]), "--cache-bytes", "0") as cold_stack:
-        cold = replay(ChatClient(cold_stack.url, MAX_TOKENS), sent)
     assert [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in live] == \
         [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in cold]
     assert all(t.cached_tokens == 0 for t in cold)
@@ -72,9 +70,8 @@ def test_bench_agent_loop_quick(models):
     figures = json.loads(r.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "agent-loop"
     for label in ("embedded", "hybrid"):
-        res = figures["models"][label]
-        chat = res["chat"]
-        assert len(chat["turns"]) == 12 and chat["same_answers"], chat
-        assert all(t["reused"] > 0 for t in chat["turns"][1:])
-        assert all(res[api]["served"] in (True, False) for api in ("messages", "responses"))
+        for api in ("chat", "messages", "responses"):
+            res = figures["models"][label][api]
+            assert res["served"] and len(res["turns"]) == 12 and res["same_answers"], (label, api, res)
+            assert all(t["reused"] > 0 and t["cold_reused"] == 0 for t in res["turns"][1:]), (label, api)
     assert "bench agent-loop" in r.stdout
