@@ -51,13 +51,20 @@ def test_agent_loop_reuses_prompt_and_answers_exactly(models, arch):
         client = ChatClient(s.url, MAX_TOKENS)
         sent, live, cold = loop(client, ChatClient(off.url, MAX_TOKENS), opening(PREFIX_TOKENS, tokens_per_char(s.url)))
     assert s.exit_code == 0 and off.exit_code == 0
+    # a cache service that misses its answer deadline on a loaded machine leaves a request (and the
+    # snapshot its answer would have kept) without reuse, by design: only those turns may fall short
+    slow = s.log().count("the cache service did not answer within")
     shares = [t.cached_tokens / t.prompt_tokens for t in live]
-    assert shares[0] < 0.05 and min(shares[2:]) >= 0.90, shares  # a fresh system prompt, then reuse
-    assert sum(len(t.calls) for t in live) >= 4, "the loop made tool calls"
+    assert shares[0] < 0.05, shares  # a fresh system prompt
+    short = [n for n in range(2, len(live)) if shares[n] < 0.90]
+    missed = []
     for n in range(1, len(live)):  # the previous answer (a call or text) is reused whole: all but,
         req = request_of(client, *sent[n])  # at most, the separator the template puts after its end token
         assert req.messages[-2].role == "assistant"
-        assert live[n].cached_tokens >= answer_end(tokenizer, req) - 1, (n, live[n].cached_tokens)
+        if live[n].cached_tokens < answer_end(tokenizer, req) - 1:
+            missed.append(n)
+    assert len(short) <= slow and len(missed) <= 2 * slow, (shares, short, missed, slow)
+    assert sum(len(t.calls) for t in live) >= 4, "the loop made tool calls"
     assert [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in live] == \
         [(t.text, [(c.name, c.arguments) for c in t.calls]) for t in cold]
     assert all(t.cached_tokens == 0 for t in cold)
