@@ -31,7 +31,7 @@ from worker.loader import LoadedModel
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import POSITIONS, Scheduler
 from worker.state.reuse import Held, Plan, PrefixCache, Start
-from worker.text import PromptInvalid, render_prompt
+from worker.text import PromptInvalid, answer_message, render_prompt
 
 
 @dataclass
@@ -344,7 +344,9 @@ class Engine:
             return
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
-        ext = None if self.lm.sharding else self.reuse.continuation(r.req, r.plan, r.prompt, tokens, "".join(r.text))
+        inside = thinking.starts_inside(self.think, r.prompt)
+        answer = answer_message("".join(r.text), self.think is not None, inside)
+        ext = None if self.lm.sharding else self.reuse.continuation(r.req, r.plan, r.prompt, tokens, answer)
         if ext is not None:
             floor = r.plan.boundaries[-1] if r.plan.boundaries else len(r.prompt)
             self._extensions.append(Extension(r.req, r.plan, ext, floor))

@@ -123,7 +123,7 @@ class PrefixCache:
         self.keep(plan.identity, tokens, "boundary", cache, draft_cache, draft_tokens)
 
     def continuation(self, req: m.GenerateRequest, plan: Plan, prompt: list[int], held: list[int],
-                     answer: str) -> Optional[list[int]]:
+                     answer: m.Message) -> Optional[list[int]]:
         """The tokens the next turn starts with when its client resends `answer`, where the held
         ones are not a prefix of them (another tokenization than the generated one, a thinking
         block the template drops, a cut call); None where they are, or where the rendering
