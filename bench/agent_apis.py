@@ -45,15 +45,17 @@ class ChatClient:
 
     api = "chat"
 
-    def __init__(self, url: str, max_tokens: int):
-        self.url, self.max_tokens = url.rstrip("/") + PATHS[self.api], max_tokens
+    def __init__(self, url: str, max_tokens: int, top_logprobs: int = 0):
+        """`top_logprobs`: each token's log-probability and its best alternatives (chat only)."""
+        self.url, self.max_tokens, self.top_logprobs = url.rstrip("/") + PATHS[self.api], max_tokens, top_logprobs
         with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
             self.model = json.load(r)["data"][0]["id"]  # the name the stack serves
 
     def body(self, items: list[Item], tool_choice: str) -> dict:
         return {"messages": [self.message(i) for i in items], "max_tokens": self.max_tokens, "temperature": 0,
                 "tools": [{"type": "function", "function": t} for t in TOOLS], "tool_choice": tool_choice,
-                "parallel_tool_calls": False, "stream": True, "stream_options": {"include_usage": True}}
+                "parallel_tool_calls": False, "stream": True, "stream_options": {"include_usage": True},
+                **({"logprobs": True, "top_logprobs": self.top_logprobs} if self.top_logprobs else {})}
 
     @staticmethod
     def message(i: Item) -> dict:
@@ -67,6 +69,7 @@ class ChatClient:
 
     def turn(self, items: list[Item], tool_choice: str) -> Turn:
         t0, first, text, calls, usage, metrics, finish = time.perf_counter(), None, [], {}, {}, {}, ""
+        lps: list = []
         for now, _, chunk in sse(self.url, self.body(items, tool_choice)):
             if "error" in chunk:
                 raise ServerError.from_body(chunk)
@@ -82,10 +85,11 @@ class ChatClient:
                     c.name += fn.get("name") or ""
                     c.arguments += fn.get("arguments") or ""
                 finish = choice.get("finish_reason") or finish
+                lps += (choice.get("logprobs") or {}).get("content") or []
             usage, metrics = chunk.get("usage") or usage, chunk.get("metrics") or metrics
         return Turn(usage.get("prompt_tokens", 0), (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                     (first or time.perf_counter()) - t0, "".join(text), [calls[k] for k in sorted(calls)], finish,
-                    metrics.get("ttft_s"))
+                    metrics.get("ttft_s"), lps)
 
 
 class MessagesClient(ChatClient):

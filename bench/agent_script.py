@@ -69,6 +69,7 @@ class Turn:
     calls: list[Call] = field(default_factory=list)
     finish: str = ""
     server_ttft_s: Optional[float] = None  # the worker's, where the API carries verity's metrics
+    logprobs: list = field(default_factory=list)  # chat's per-token entries, when asked for (tests: near ties)
 
 
 def tool_result(call: Call, rng: random.Random) -> str:
