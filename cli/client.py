@@ -46,6 +46,7 @@ class ServerError(Exception):
 @dataclass
 class StreamResult:
     text: str = ""
+    reasoning: str = ""  # a thinking model's think block
     finish_reason: Optional[str] = None
     metrics: dict = field(default_factory=dict)
     t_sent: float = 0.0  # perf_counter when the request was sent
@@ -78,8 +79,10 @@ def complete(url: str, body: dict, api_key: Optional[str] = None) -> dict:
 
 
 def stream_chat(url: str, body: dict, api_key: Optional[str] = None,
-                on_text: Callable[[str], None] = lambda s: None) -> StreamResult:
-    """One streamed chat request: calls on_text for each text delta; raises ServerError."""
+                on_text: Callable[[str], None] = lambda s: None,
+                on_thinking: Callable[[str], None] = lambda s: None) -> StreamResult:
+    """One streamed chat request: calls on_text for each text delta (on_thinking for each of a
+    thinking model's reasoning); raises ServerError."""
     out, parts = StreamResult(t_sent=time.perf_counter()), []
     with _post(url, {**body, "stream": True}, api_key) as resp:
         for raw in resp:
@@ -93,7 +96,12 @@ def stream_chat(url: str, body: dict, api_key: Optional[str] = None,
             if "error" in chunk:
                 raise ServerError.from_body(chunk)
             for choice in chunk.get("choices", ()):
-                text = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                delta = choice.get("delta", {})
+                thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                if thought:
+                    out.reasoning += thought
+                    on_thinking(thought)
+                text = delta.get("content") or choice.get("text") or ""
                 if text:
                     if not parts:
                         out.t_first = now
@@ -128,7 +136,8 @@ def format_metrics(mx: dict, finish_reason: Optional[str] = None) -> str:
 
 def request_body(args: argparse.Namespace, messages: list[dict]) -> dict:
     body: dict = {"messages": messages}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "mode", "thinking"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "mode", "thinking",
+                 "max_thinking_tokens"):
         value = getattr(args, name, None)
         if value is not None:
             body[name] = value
@@ -174,7 +183,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(complete(args.url, body, _api_key(args)), indent=2, ensure_ascii=False))
             return 0
-        result = stream_chat(args.url, body, _api_key(args), on_text=_write)
+        result = stream_chat(args.url, body, _api_key(args), on_text=_write, on_thinking=_write_thinking)
     except ServerError as e:
         _end_line()
         _print_error(e)
@@ -188,15 +197,36 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 _wrote = [False]  # whether stdout's last text left the cursor mid-line
+_thinking = [False]  # whether a think block is being printed
+DIM, UNDIM = "\x1b[2m", "\x1b[22m"
 
 
 def _write(text: str) -> None:
+    if _thinking[0]:  # the answer starts on its own line
+        _end_line()
     sys.stdout.write(text)
     sys.stdout.flush()
     _wrote[0] = not text.endswith("\n")
 
 
+def _write_thinking(text: str) -> None:
+    """A thinking model's reasoning: dimmed on a terminal; to stderr when stdout is not one (a pipe
+    or a file gets the answer alone)."""
+    _thinking[0] = True
+    if not sys.stdout.isatty():
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    sys.stdout.write(DIM + text + UNDIM)
+    sys.stdout.flush()
+    _wrote[0] = not text.endswith("\n")
+
+
 def _end_line() -> None:
+    if _thinking[0] and not sys.stdout.isatty():  # the think block's line, on stderr
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+    _thinking[0] = False
     if _wrote[0]:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -280,7 +310,8 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": text})
         try:
-            result = stream_chat(args.url, request_body(args, history), _api_key(args), on_text=_write)
+            result = stream_chat(args.url, request_body(args, history), _api_key(args), on_text=_write,
+                                 on_thinking=_write_thinking)
         except ServerError as e:
             _end_line()
             _print_error(e)
@@ -314,7 +345,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--mode", choices=("baseline", "joint"), default=None, help="default: baseline")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask a thinking model to think (or not)")
+                   help="ask a thinking model to think (or not); its thinking prints dimmed")
+    p.add_argument("--max-thinking-tokens", type=int, default=None, help=f"close the think block after this many tokens (default: {server})")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 

@@ -116,11 +116,6 @@ def _by_class(counts: dict) -> dict[int, int]:
     return out
 
 
-def _kinds(kinds: dict) -> list[tuple[str, str]]:
-    """Requests answered by kind (chat · completion · messages ...): one row, none before any kind is known."""
-    return [(" · ".join(kinds), " · ".join(str(n) for n in kinds.values()))] if kinds else []
-
-
 def _kv(title: str, rows: list[tuple[str, str]]) -> Table:
     t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_header=False,
               pad_edge=False, expand=True)
@@ -179,9 +174,9 @@ def _figures(s: dict) -> Table:
     ])
     requests = _kv("requests", [
         ("finished", str(sum(finished.values()))),
+        ("by kind", " · ".join(f"{k} {n}" for k, n in sorted(tot.get("kinds", {}).items())) or NONE),
         ("stop · length · cancelled", f"{finished.get('stop', 0)} · {finished.get('length', 0)} · {finished.get('cancelled', 0)}"),
         ("answered 4xx · 5xx", f"{answered[4]} · {answered[5]}"),  # client errors apart from server errors
-        *_kinds(tot.get("kinds") or {}),
         ("admitted, then 4xx · 5xx", f"{ended[4]} · {ended[5]}"),
         ("prompt · generated tokens", f"{tot['prompt_tokens']} · {tot['generation_tokens']}"),
         ("TTFT p50 · p95", f"{_ms(rec['ttft_p50_s'])} · {_ms(rec['ttft_p95_s'])}"),

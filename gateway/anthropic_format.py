@@ -10,10 +10,9 @@ input, thinking as `thinking_delta`.
 from __future__ import annotations
 
 import json
-import time
 from typing import Optional
 
-from gateway.openai_format import metrics_dict
+from gateway.openai_format import log_dropped, metrics_dict
 from gateway.reasoning import ReasoningSplit, split
 from gateway.tools import ToolCallStream, split_whole_dropping
 from protocol import messages as m
@@ -74,7 +73,6 @@ class MessageShaper:
         self.calls = ToolCallStream() if tools else None
         self.kind: Optional[str] = None  # the open block's type
         self.index = -1
-        self.created = time.time()
 
     def _message(self, content: list, reason: Optional[str], use: dict, stop: Optional[str] = None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -87,7 +85,8 @@ class MessageShaper:
         content: list[dict] = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
         calls = []
         if self.tools:
-            answer, calls, _ = split_whole_dropping(answer, finished.finish_reason == "length")
+            answer, calls, dropped = split_whole_dropping(answer, finished.finish_reason == "length")
+            log_dropped(self.id, 0, dropped, finished.finish_reason)
         if answer:
             content.append({"type": "text", "text": answer})
         content += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": _input(c.arguments)}
@@ -132,6 +131,8 @@ class MessageShaper:
         self._answer("", out, finished)
         out += self._close()
         calls = bool(self.calls and self.calls.calls)
+        if self.calls is not None:
+            log_dropped(self.id, 0, self.calls.dropped, finished.finish_reason)
         use = usage(finished.metrics)
         out.append(("message_delta", {"type": "message_delta", "usage": use,
                                       "delta": {"stop_reason": stop_reason(finished, calls),

@@ -295,23 +295,30 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
         return resp
     except TimeoutError:
         pass
+    error = error_body(504, _time_limit_message(gw.config.request_timeout_s), "request_timeout")
+    tail = b"" if ended else b"data: " + json.dumps(error).encode() + b"\n\n"
+    await end_at_time_limit(request, gw, t, out, ended, tail + b"data: [DONE]\n\n")
+    return resp
+
+
+async def end_at_time_limit(request: web.Request, gw: Gateway, t: Tracked, out: SseWriter, ended: bool,
+                            tail: bytes) -> None:
+    """A stream past the time limit: its request cancelled (unless `ended`), then `tail` (the error
+    event, the end marker) written within WRITE_GRACE_S, or else the connection dropped."""
     if not ended:
         _time_limit_reached(gw, t)
     transport = request.transport
     if transport is not None and transport.get_write_buffer_size() < STALLED_WRITE_BYTES:
         try:
             async with asyncio.timeout(WRITE_GRACE_S):
-                if not ended:
-                    await _sse(resp, error_body(504, _time_limit_message(gw.config.request_timeout_s), "request_timeout"))
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return resp
+                await out.resp.write(tail)
+                await out.resp.write_eof()
+                return
         except TimeoutError:
             pass
     # the client reads nothing (its unread bytes fill the buffers): drop its connection
     log.warning("[%s] the client does not read its stream: closing the connection", t.id)
     out.drop()
-    return resp
 
 
 def _last_events(shaper: Shaper, ev, include_usage: bool) -> list[dict]:

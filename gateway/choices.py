@@ -82,8 +82,10 @@ def usage_of(rows: list[Row]) -> dict:
     prompt = sum(r.finished.metrics.prompt_tokens for r in rows if r.choice.first_of_prompt)
     completion = sum(r.finished.metrics.completion_tokens for r in rows)
     cached = sum(r.finished.metrics.reused_tokens for r in rows if r.choice.first_of_prompt)
+    reasoning = sum(r.finished.metrics.reasoning_tokens for r in rows)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 class Merged:

@@ -19,8 +19,8 @@ from typing import Optional
 from aiohttp import web
 
 from gateway.anthropic_format import MessageShaper, error_object, sse
-from gateway.app import (GATEWAY, STALLED_WRITE_BYTES, WRITE_GRACE_S, Gateway, _cut, _next_event, _refuse,
-                         _time_limit_message, _time_limit_reached, served_names)
+from gateway.app import (GATEWAY, Gateway, _cut, _next_event, _refuse, _time_limit_message, _time_limit_reached,
+                         end_at_time_limit, served_names)
 from gateway.link import QueueFull, Tracked
 from gateway.small import CALL_TIMEOUT_S
 from gateway.sse import ClientStalled, SseWriter
@@ -134,6 +134,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                 first = await _queued(t)
                 if isinstance(first, m.Error):
                     return _refuse(t.id, first.status, first.message, first.code, first.param)
+                if not isinstance(first, m.Queued):  # a Finished "cancelled": it was stopped before it was queued
+                    return _refuse(t.id, 503, "the request was cancelled before it started", "cancelled")
                 shaper.queued(first)
                 if not req.stream:
                     return await _whole(t, shaper, first)
@@ -194,23 +196,9 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Message
                     await out.write(_error_event(ev.status, ev.message, t.id, ev.code))
                     break
             await resp.write_eof()
-            return resp
     except ClientStalled as e:
         _cut(gw, t.id, [] if ended else [t], out, e)
-        return resp
     except TimeoutError:
-        pass
-    if not ended:
-        _time_limit_reached(gw, t)
-    transport = request.transport
-    if transport is not None and transport.get_write_buffer_size() < STALLED_WRITE_BYTES:
-        try:
-            async with asyncio.timeout(WRITE_GRACE_S):
-                await resp.write(_error_event(504, _time_limit_message(gw.config.request_timeout_s), t.id, "request_timeout"))
-                await resp.write_eof()
-                return resp
-        except TimeoutError:
-            pass
-    log.warning("[%s] the client does not read its stream: closing the connection", t.id)
-    out.drop()
+        late = _error_event(504, _time_limit_message(gw.config.request_timeout_s), t.id, "request_timeout")
+        await end_at_time_limit(request, gw, t, out, ended, b"" if ended else late)
     return resp

@@ -34,6 +34,7 @@ def usage(metrics: m.RequestMetrics) -> dict:
         "completion_tokens": metrics.completion_tokens,
         "total_tokens": metrics.prompt_tokens + metrics.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": metrics.reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": metrics.reasoning_tokens},
     }
 
 
@@ -92,7 +93,8 @@ class Shaper:
             return None
         drafted, self._drafted = self._drafted, []
         parts = self._parts(ev.text)
-        out = self.chunk(text=parts.content if parts.content or not self.thinks else None, logprobs=ev.logprobs, drafted=drafted, reasoning=parts.reasoning)
+        content = parts.content if parts.content or not self.thinks else None  # a thinking delta has no content
+        out = self.chunk(text=content, logprobs=ev.logprobs, drafted=drafted, reasoning=parts.reasoning)
         choice = out["choices"][0]
         if self.chat and not choice["delta"] and "logprobs" not in choice:  # all held back (an open tool call)
             self._drafted = drafted + self._drafted
@@ -154,11 +156,7 @@ class Shaper:
             delta["tool_calls"] = pieces
 
     def _log_dropped(self, dropped: list[Dropped], reason: str) -> None:
-        """One line per block that was not a call: it never reaches `content`."""
-        for d in dropped:
-            what = f"`{d.name}`" if d.name else "an unnamed call"
-            why = "whose JSON does not parse" if d.closed else f"cut before its end (finish_reason {reason})"
-            log.warning("[%s] choice %d: dropped a tool call of %s %s", self.id, self.index, what, why)
+        log_dropped(self.id, self.index, dropped, reason)
 
     def _logprobs(self, lps: list[m.TokenLogprob], offset: int) -> dict:
         """Chat's `{"content": [...]}`, or the legacy completion shape (its offsets from `offset`)."""
@@ -173,6 +171,14 @@ class Shaper:
         """The last chunk's usage: this request's, or `totals` over several choices."""
         return {**self._base(self.object + ".chunk" if self.chat else self.object), "choices": [],
                 "usage": totals or usage(finished.metrics), "metrics": metrics_dict(finished.metrics)}
+
+
+def log_dropped(rid: str, index: int, dropped: list[Dropped], reason: str) -> None:
+    """One line per block that was not a call: it never reaches `content`."""
+    for d in dropped:
+        what = f"`{d.name}`" if d.name else "an unnamed call"
+        why = "whose JSON does not parse" if d.closed else f"cut before its end (finish_reason {reason})"
+        log.warning("[%s] choice %d: dropped a tool call of %s %s", rid, index, what, why)
 
 
 IMPOSSIBLE = -9999.0  # OpenAI's log-probability for a token of probability 0: JSON has no -Infinity

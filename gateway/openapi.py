@@ -49,11 +49,16 @@ class PromptTokensDetails(Struct):
     cached_tokens: int
 
 
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int  # inside a thinking model's think block (0 for the others)
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class AssistantMessage(Struct, omit_defaults=True):

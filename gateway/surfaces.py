@@ -10,7 +10,6 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from collections import Counter
 from typing import Callable
 
 import msgspec
@@ -41,7 +40,7 @@ class Surfaces:
 
     def __init__(self, link: WorkerLink, max_tokens_cap: int, started_at: float, draining: Callable[[], bool]):
         self.link, self.max_tokens_cap, self.started_at, self.draining = link, max_tokens_cap, started_at, draining
-        self.counters = Counters(kinds=Counter(dict.fromkeys(GENERATE_KINDS.values(), 0)))
+        self.counters = Counters()
         self.aliases: tuple[str, ...] = ()  # --served-model-name
         link.on_end.append(self.counters.observe)
 

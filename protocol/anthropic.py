@@ -76,7 +76,7 @@ class MessageParam(Struct, forbid_unknown_fields=True):
 
 
 class ToolParam(Struct, forbid_unknown_fields=True):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]  # Anthropic's length (MCP tools' names are long)
     input_schema: dict[str, Any]
     description: Optional[str] = None
     type: Optional[Literal["custom"]] = None  # server tools (web search, code execution) are not served

@@ -263,6 +263,7 @@ class RequestMetrics(Struct):
     decode_tps: float = 0.0
     recovery_s: float = 0.0
     budget_mean: float = 0.0
+    reasoning_tokens: int = 0  # of completion_tokens, those inside a thinking model's think block
 
 
 class Queued(Struct, tag=True):

@@ -10,6 +10,7 @@ a user's own do: a conversation imported from an export file (the real file inpu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -57,8 +58,9 @@ def stack(tiny_llama, tmp_path_factory):
     assert s.exit_code == 0, s.log()
 
 
-@pytest.fixture(scope="module")
-def page(stack, tmp_path_factory):
+@contextlib.contextmanager
+def browser_page(profile: Path):
+    """A headless Chromium page; fails the test on any page error it reports."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"Chromium is missing: no {CHROMIUM}. Install Debian's package: apt-get install -y chromium "
                     "(.ci/run does this)")
@@ -68,7 +70,7 @@ def page(stack, tmp_path_factory):
         pytest.fail("Playwright for Python is missing: pip install -e '.[test]'")
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+            str(profile), executable_path=CHROMIUM, args=CHROMIUM_ARGS,
             viewport=DESKTOP, permissions=["clipboard-read", "clipboard-write"])
         browser.set_default_timeout(TIMEOUT_MS)
         pg = browser.new_page()
@@ -80,6 +82,12 @@ def page(stack, tmp_path_factory):
         yield pg
         browser.close()
     assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def page(stack, tmp_path_factory):
+    with browser_page(tmp_path_factory.mktemp("chromium-profile")) as pg:
+        yield pg
 
 
 def screenshot(page, name: str) -> Path:

@@ -5,6 +5,7 @@ joint mode. The model's text is garbage: what is proven is shape and agreement."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import urllib.request
@@ -219,4 +220,56 @@ def test_metrics_and_monitor_show_the_messages_kind(stack, client, model):
     console = Console(width=120, record=True)
     console.print(render(mon))
     text = console.export_text()
-    assert "chat · completion · messages" in text and f"0 · 0 · {counts['messages']}" in text
+    assert f"messages {counts['messages']}" in text
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_llama):
+    with Stack(str(tiny_llama), "--request-timeout-s", "1", "--max-tokens-cap", "2000", "--max-active", "1",
+               "--queue-size", "1",
+               env={"VERITY_FAULT_STEP_DELAY_S": "0.005"}) as s:
+        yield s
+
+
+async def test_time_limit_ends_whole_and_streamed_messages(limited):
+    body = {"model": limited.health()[1]["model"], "max_tokens": 2000, "messages": ASK, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(limited.url + "/v1/messages", json=body) as r:
+            assert r.status == 504
+            assert (await r.json())["error"] == {"type": "timeout_error", "code": "request_timeout", "param": None,
+                                                 "message": "the request did not end within this server's time limit "
+                                                            "of 1 s (--request-timeout-s)"}
+        async with http.post(limited.url + "/v1/messages", json={**body, "stream": True}) as r:
+            text = (await r.read()).decode()
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    assert json.loads(text.splitlines()[-2][6:])["error"]["type"] == "timeout_error"
+    await until(limited.idle, 30, "the cancelled requests to leave the worker")
+
+
+async def test_a_full_queue_is_a_rate_limit_error(limited):
+    """Two requests fill --max-active 1 + --queue-size 1: the third is Anthropic's 429, with Retry-After."""
+    model = limited.health()[1]["model"]
+    body = {"model": model, "max_tokens": 2000, "messages": ASK, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        held = [await http.post(limited.url + "/v1/messages", json=body) for _ in range(2)]
+        client = anthropic.AsyncAnthropic(base_url=limited.url, api_key="none", max_retries=0)
+        with pytest.raises(anthropic.RateLimitError) as e:
+            await client.messages.create(model=model, max_tokens=5, messages=ASK)
+        assert e.value.body["error"]["type"] == "rate_limit_error" and e.value.response.headers["Retry-After"]
+        for r in held:
+            r.close()
+    await until(limited.idle, 30, "the held requests to end")
+
+
+async def test_disconnect_while_waiting_for_a_whole_message(limited):
+    body = {"model": limited.health()[1]["model"], "max_tokens": 2000, "messages": ASK, "ignore_eos": True}
+    went = limited.log().count("client went away: cancelling")
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(http.post(limited.url + "/v1/messages", json=body))
+        await until(lambda: limited.health()[1].get("admitted") == 1, 10, "admission")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await until(limited.idle, 30, "the worker to drop the cancelled request")
+    assert limited.log().count("client went away: cancelling") == went + 1

@@ -57,7 +57,7 @@ def test_decoders_refuse_other_messages():
 def test_metrics_keys_are_fixed():
     assert list(msgspec.structs.asdict(m.RequestMetrics())) == [
         "mode", "draft", "prompt_tokens", "completion_tokens", "reused_tokens", "cycles", "drafted",
-        "accepted", "rollbacks", "ttft_s", "decode_tps", "recovery_s", "budget_mean"]
+        "accepted", "rollbacks", "ttft_s", "decode_tps", "recovery_s", "budget_mean", "reasoning_tokens"]
 
 
 def test_valid_request_is_normalized():

@@ -5,6 +5,10 @@ the small endpoints (/tokenize, /detokenize, cancelling a chat completion by its
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -73,8 +77,9 @@ def test_info_says_the_model_thinks(stack):
 def test_thinking_is_apart_from_the_answer_whole_and_streamed(client, mode):
     """The budget closes the block; the answer follows it; the stream adds up to the whole reply,
     and joint mode gives baseline's reply exactly."""
-    whole = ask(client, mode=mode, ignore_eos=True).choices[0].message
-    extra = whole.model_extra
+    done = ask(client, mode=mode, ignore_eos=True)
+    whole, extra = done.choices[0].message, done.choices[0].message.model_extra
+    assert done.usage.completion_tokens_details.reasoning_tokens == BUDGET == done.model_extra["metrics"]["reasoning_tokens"]
     assert extra["reasoning_content"] and extra["reasoning"] == extra["reasoning_content"]
     assert whole.content and "think>" not in whole.content and "think>" not in extra["reasoning"]
     rc, r, content, finish = streamed(client, mode=mode, ignore_eos=True)
@@ -94,8 +99,10 @@ def test_a_request_budget_overrides_the_servers(client):
 @pytest.mark.parametrize("control", [{"thinking": False}, {"reasoning_effort": "none"},
                                      {"chat_template_kwargs": {"enable_thinking": False}}])
 def test_thinking_switched_off(client, control):
-    msg = ask(client, ignore_eos=True, **control).choices[0].message
+    done = ask(client, ignore_eos=True, **control)
+    msg = done.choices[0].message
     assert msg.model_extra.get("reasoning") is None and msg.content
+    assert done.usage.completion_tokens_details.reasoning_tokens == 0
     on = ask(client, ignore_eos=True, reasoning_effort="high").choices[0].message
     assert on.model_extra["reasoning"]
 
@@ -181,3 +188,56 @@ def test_cancel_a_running_chat_completion_by_its_id(stack, client):
     assert stack.settled()["worker"]["active"] == 0
     again = httpx.post(f"{stack.url}/v1/chat/completions/{first.id}/cancel")
     assert again.status_code == 404 and again.json()["error"]["param"] == "id"
+
+
+# ---- verity generate / chat ----
+
+
+def test_the_cli_prints_thinking_dimmed_and_the_answer_apart(stack, client):
+    """On a terminal (a pty) the think block is dimmed; into a pipe, stdout is the answer alone
+    and the thinking goes to stderr."""
+    want = ask(client, ignore_eos=True, max_tokens=24).choices[0].message
+    args = [sys.executable, "-m", "cli.main", "generate", "hello world", "--url", stack.url, "--max-tokens", "24",
+            "--temperature", "0", "--ignore-eos"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == want.content + "\n" and piped.stderr.startswith(want.model_extra["reasoning"] + "\n")
+    main, sub = pty.openpty()
+    run = subprocess.run(args, stdout=sub, stderr=subprocess.PIPE, timeout=60)
+    os.close(sub)
+    shown = b""
+    while chunk := _read(main):
+        shown += chunk
+    os.close(main)
+    assert run.returncode == 0, run.stderr
+    text = shown.decode().replace("\r\n", "\n")
+    assert text.startswith("\x1b[2m") and "\x1b[22m" in text
+    assert text.replace("\x1b[2m", "").replace("\x1b[22m", "") == want.model_extra["reasoning"] + "\n" + want.content + "\n"
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the other end is closed: all was read
+        return b""
+
+
+def test_streamed_tool_calls_and_several_choices_after_thinking(client):
+    stream = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=[{"role": "user", "content": "weather?"}], stream=True,
+                                            tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=120,
+                                            extra_body={"mode": "joint"})
+    thought, args, finish = "", "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            thought += c.delta.model_dump().get("reasoning_content") or ""
+            args += "".join(t.function.arguments or "" for t in c.delta.tool_calls or [])
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    assert thought and finish == "tool_calls"
+    Weather.model_validate_json(args)
+    two = ask(client, n=2, seed=5, temperature=1.0, ignore_eos=True)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert all(c.message.model_extra["reasoning"] and c.message.content for c in two.choices)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * BUDGET

@@ -66,7 +66,7 @@ async def test_chat_whole_response(stack):
     assert types == {"mode": "str", "draft": "NoneType", "prompt_tokens": "int", "completion_tokens": "int",
                      "reused_tokens": "int", "cycles": "int", "drafted": "int", "accepted": "int",
                      "rollbacks": "int", "ttft_s": "float", "decode_tps": "float", "recovery_s": "float",
-                     "budget_mean": "float"}
+                     "budget_mean": "float", "reasoning_tokens": "int"}
 
 
 async def test_stream_matches_whole_and_carries_metrics(stack):

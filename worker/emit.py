@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from protocol import messages as m
+from worker import thinking
 from worker.batch.rows import Phase, Row, RowOutcome
 from worker.grammar import Grammar
 from worker.sampling import Chosen
@@ -35,13 +36,15 @@ class QueuedRequest:
     plan: Optional[Plan] = None  # prefix reuse (worker/state/reuse.py)
     grammar: Optional[Grammar] = None  # the output's grammar (response_format, forced tool calls)
     reserved: int = 0  # bytes of the KV budget its worst case holds while admitted
+    thinking: bool = False  # its generation starts inside a think block
 
 
 class Emitter:
     """Turns rows' outcomes into events."""
 
-    def __init__(self, tokenizer, totals, draft_id: Optional[str]):
-        self.tokenizer, self.totals, self.draft_id = tokenizer, totals, draft_id
+    def __init__(self, tokenizer, totals, draft_id: Optional[str], think: Optional[thinking.ThinkFormat] = None):
+        """`think`: the served model's think format (None: it does not think)."""
+        self.tokenizer, self.totals, self.draft_id, self.think = tokenizer, totals, draft_id, think
         self.eos_ids = set(tokenizer.eos_token_ids)
 
     def start(self, r: QueuedRequest, events: list) -> None:
@@ -110,6 +113,7 @@ class Emitter:
             reused_tokens=r.plan.reused if r.plan else 0,
             cycles=n, ttft_s=(r.first_token_at - r.received) if n else 0.0,
             decode_tps=(n - 1) / span if n > 1 and span > 0 else 0.0,
+            reasoning_tokens=thinking.reasoning_tokens(self.think, r.thinking, r.tokens),
         )
         s = r.row.stats if r.row is not None else None
         if s is not None:

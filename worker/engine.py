@@ -119,7 +119,7 @@ class Engine:
         self.vocab_size = len(lm.tokenizer.get_vocab())
         self.grammars = Compiler(lm.tokenizer)
         self.think = thinking.detect(lm.tokenizer, lm.chat_template)  # None: the model does not think
-        self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id)
+        self.emitter = Emitter(lm.tokenizer, self.totals, self.draft_id, self.think)
 
     # ---- any thread ----
 
@@ -145,8 +145,9 @@ class Engine:
                 f"cache; this server admits at most {self.kv_budget} (launch-stack --kv-budget)", param="max_tokens")
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
-        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar))
         inside = req.messages is not None and thinking.starts_inside(self.think, prompt)
+        self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar,
+                                    thinking=inside))
         return m.Queued(request_id, len(prompt), inside)
 
     def _prompt(self, req: m.GenerateRequest) -> list[int]:

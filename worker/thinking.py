@@ -109,6 +109,19 @@ class ThinkGate:
         return mx.where(keep, logits, mx.array(-mx.inf, logits.dtype))
 
 
+def reasoning_tokens(fmt: Optional[ThinkFormat], inside: bool, tokens: list[int]) -> int:
+    """Generated tokens inside the think block (its tags not counted)."""
+    if fmt is None:
+        return 0
+    start = 0 if inside else (1 if tokens[:1] == [fmt.open_id] else None)
+    if start is None:
+        return 0
+    try:
+        return tokens.index(fmt.close_id, start) - start
+    except ValueError:
+        return len(tokens) - start
+
+
 def gate(fmt: Optional[ThinkFormat], prompt: list[int], thinking: Optional[bool], budget: Optional[int],
          after: list[LogitsProcessor]) -> list[LogitsProcessor]:
     """The processors a request's answer ends with: `after` alone (no think block can open, or

@@ -89,13 +89,27 @@ function userBlock(turn, i) {
   return [bubble, actions];
 }
 
+// A thinking model's think block: collapsed above the answer ("Thinking…" while it grows).
+function thinkingBlock() {
+  const text = el("div", { className: "thinking-text" });
+  const block = el("details", { className: "thinking", hidden: true }, el("summary", { textContent: "Thinking…" }), text);
+  const paint = (turn, done) => {
+    block.hidden = !turn.reasoning;
+    text.textContent = turn.reasoning || "";
+    block.querySelector("summary").textContent = done ? `Thought (${(turn.reasoning || "").length} characters)` : "Thinking…";
+  };
+  return [block, paint];
+}
+
 function renderTurn(turn, i) {
   const li = el("li", { className: "turn" }, ...userBlock(turn, i));
   li.classList.toggle("failed", Boolean(turn.error));
+  const [thought, paintThought] = thinkingBlock();
+  if (turn.reasoning) paintThought(turn, true);
   const answer = el("div", { className: "bubble assistant" });
   if (turn.assistant) paintAnswer(answer, turn);
   else answer.hidden = true; // no empty (ghost) bubble
-  li.append(answer, footer(turn, i));
+  li.append(thought, answer, footer(turn, i));
   return li;
 }
 
@@ -122,9 +136,10 @@ function scrollToEnd() {
 
 function streamingView(turn) {
   const li = el("li", { className: "turn" }, el("div", { className: "bubble user", textContent: turn.user }));
+  const [thought, paintThought] = thinkingBlock();
   const answer = el("div", { className: "bubble assistant streaming", hidden: true });
   const waiting = el("p", { className: "note waiting", textContent: "Waiting for the first token…" });
-  li.append(answer, waiting);
+  li.append(thought, answer, waiting);
   $("turns").append(li);
   $("empty").hidden = true;
   let queued = false;
@@ -133,8 +148,10 @@ function streamingView(turn) {
     queued = true;
     requestAnimationFrame(() => {
       queued = false;
-      if (!turn.assistant) return;
+      if (!turn.assistant && !turn.reasoning) return;
       waiting.remove();
+      paintThought(turn, Boolean(turn.assistant));
+      if (!turn.assistant) return scrollToEnd();
       answer.hidden = false;
       paintAnswer(answer, turn, { highlight: false });
       scrollToEnd();
@@ -154,6 +171,8 @@ async function stream(turn, body) {
     for (const choice of chunk.choices || []) {
       const text = choice.delta?.content || "";
       turn.assistant += text;
+      const thought = choice.delta?.reasoning_content ?? choice.delta?.reasoning ?? "";
+      if (thought) turn.reasoning = (turn.reasoning || "") + thought;
       if (chunk.verity && text) (turn.origins ||= []).push([text, chunk.verity.drafted.every(Boolean)]);
       if (choice.finish_reason) turn.finish = choice.finish_reason;
     }
@@ -168,7 +187,7 @@ export async function send(text, at = conv().turns.length) {
   if (isBusy() || serverDown) return;
   const c = conv();
   const s = readSettings();
-  const turn = { user: text, assistant: "", mode: s.mode, metrics: null, finish: null, error: null };
+  const turn = { user: text, assistant: "", reasoning: "", mode: s.mode, metrics: null, finish: null, error: null };
   const body = { messages: [...history(at), { role: "user", content: text }], mode: s.mode,
     temperature: s.temperature, max_tokens: s.max_tokens, stream: true };
   c.turns.splice(at, c.turns.length - at, turn);

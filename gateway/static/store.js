@@ -1,6 +1,7 @@
 // Conversations kept in this browser (localStorage), and their JSON export/import.
 // A conversation: {id, title, named, created, settings: {mode, temperature, max_tokens, system}, turns}.
-// A turn: {user, assistant, mode, metrics, finish, error}; finish "stopped" is the user's own Stop.
+// A turn: {user, assistant, reasoning, mode, metrics, finish, error}; finish "stopped" is the user's
+// own Stop; reasoning: a thinking model's think block ("" for the others).
 
 const STORE = "verity.conversations";
 const ACTIVE = "verity.activeConversation";
@@ -126,10 +127,10 @@ function normalizeTurn(t, skipped) {
     skipped.add("unreadable turn");
     return null;
   }
-  for (const k of ["assistant", "mode", "finish", "error"]) {
+  for (const k of ["assistant", "reasoning", "mode", "finish", "error"]) {
     if (t[k] !== undefined && t[k] !== null && typeof t[k] !== "string") skipped.add(`unreadable ${k} field`);
   }
-  return { user: t.user, assistant: str(t.assistant), mode: MODES.includes(t.mode) ? t.mode : "baseline",
+  return { user: t.user, assistant: str(t.assistant), reasoning: str(t.reasoning), mode: MODES.includes(t.mode) ? t.mode : "baseline",
     metrics: normalizeMetrics(t.metrics, skipped),
     finish: typeof t.finish === "string" ? t.finish : (t.error ? null : "stop"), error: typeof t.error === "string" ? t.error : null };
 }
