@@ -116,6 +116,12 @@ def _by_class(counts: dict) -> dict[int, int]:
     return out
 
 
+def _kinds(kinds: dict) -> tuple[str, str]:
+    """Generation requests by kind (the API they came by): the kinds as the label, counts as the value."""
+    names = sorted(kinds) or ["chat"]
+    return " · ".join(names), " · ".join(str(kinds.get(k, 0)) for k in names)
+
+
 def _kv(title: str, rows: list[tuple[str, str]]) -> Table:
     t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_header=False,
               pad_edge=False, expand=True)
@@ -174,7 +180,7 @@ def _figures(s: dict) -> Table:
     ])
     requests = _kv("requests", [
         ("finished", str(sum(finished.values()))),
-        ("by kind", " · ".join(f"{k} {n}" for k, n in sorted(tot.get("kinds", {}).items())) or NONE),
+        _kinds(tot.get("kinds", {})),
         ("stop · length · cancelled", f"{finished.get('stop', 0)} · {finished.get('length', 0)} · {finished.get('cancelled', 0)}"),
         ("answered 4xx · 5xx", f"{answered[4]} · {answered[5]}"),  # client errors apart from server errors
         ("admitted, then 4xx · 5xx", f"{ended[4]} · {ended[5]}"),

@@ -169,10 +169,12 @@ async def _serve(request: web.Request, gw: Gateway, st: ResponsesState, t: Track
 
 
 def _ended(st: ResponsesState, rid: str, run: Running) -> None:
-    """A response that ended (or whose client left): no longer running; its final state stored."""
+    """A response that ended (or whose client left: cancelled): no longer running; its final state stored."""
     st.running.pop(rid, None)
     b = run.builder
-    if b.req.store is not False and b.ended:
+    if not b.ended:  # its client left: the worker was told to stop
+        b.abandon()
+    if b.req.store is not False:
         st.store.update(rid, b.as_dict(), run.history + b.context())
     run.done.set()
 

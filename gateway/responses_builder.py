@@ -74,7 +74,6 @@ class ResponseBuilder:
         self.finished: Optional[m.Finished] = None
         self.error: Optional[ResponseError] = None
         self.error_status = 500  # the HTTP status of the error a whole response answers
-        self.reasoning_tokens = 0
 
     # ---- the response object ----
 
@@ -101,7 +100,7 @@ class ResponseBuilder:
             return None
         mx = self.finished.metrics
         return ResponseUsage(mx.prompt_tokens, InputTokensDetails(mx.reused_tokens), mx.completion_tokens,
-                             OutputTokensDetails(min(self.reasoning_tokens, mx.completion_tokens)),
+                             OutputTokensDetails(mx.reasoning_tokens),
                              mx.prompt_tokens + mx.completion_tokens)
 
     def as_dict(self) -> dict:
@@ -144,10 +143,7 @@ class ResponseBuilder:
             return self._parts(Parts(content=ev.text))
         if self.split is None:
             self.split = ReasoningSplit(self.inside)
-        parts = self.split.feed(ev.text)
-        if parts.reasoning:
-            self.reasoning_tokens += len(ev.token_ids)
-        return self._parts(parts)
+        return self._parts(self.split.feed(ev.text))
 
     def _parts(self, parts: Parts) -> list[Struct]:
         out = self._text("reasoning", parts.reasoning) if parts.reasoning else []
@@ -249,6 +245,11 @@ class ResponseBuilder:
         self.status, self.error, self.error_status = "failed", ResponseError(code, message), status
         return out + [self._ev(ErrorEvent, code=code, message=message, param=param),
                       self._ev(ResponseFailed, response=self.response())]
+
+    def abandon(self) -> None:
+        """Its client left before the end: cancelled, with the output so far."""
+        self._close_all("incomplete")
+        self.status = "cancelled"
 
     @property
     def ended(self) -> bool:

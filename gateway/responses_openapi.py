@@ -50,10 +50,27 @@ def _request(s: dict, cap: int, names: tuple[str, ...], joint: bool) -> dict:
         p["mode"] = {"enum": ["baseline", None], "default": "baseline",
                      "description": "\"joint\" needs a server started with --draft"}
     s["required"] = ["input"]
+    not_reasoning = {"not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}}
     s["allOf"] = [{"if": {"properties": {"background": {"const": True}}, "required": ["background"]},
-                   "then": {"properties": {"store": {"enum": [True, None]}}}}]
+                   "then": {"properties": {"store": {"enum": [True, None]}}}},
+                  {"if": {"properties": {"previous_response_id": {"type": "null"}}},  # absent or null
+                   "then": {"properties": {"input": {"anyOf": [{"type": "string"},
+                                                               {"type": "array", "contains": not_reasoning}]}}}}]
     s["description"] = ("OpenAI Responses request as verity takes it. Unknown fields are refused by name; so are "
                         f"these unless null: {', '.join(sorted(r.UNSUPPORTED))}.")
+    return s
+
+
+def _part(s: dict) -> dict:
+    """Content parts as served: text parts with their text (image, file and audio parts are refused by name)."""
+    p = s["properties"]
+    p["type"] = {"enum": list(r.TEXT_PARTS)}
+    for name in r.REFUSED_PART_FIELDS:
+        p[name] = {"type": "null", "default": None}
+    s["allOf"] = [{"if": {"properties": {"type": {"const": "refusal"}}},
+                   "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}},
+                   "else": {"required": ["text"], "properties": {"text": {"type": "string"}}}}]
+    s["description"] = "a text part; image, file and audio parts are refused with 400 `unsupported_content`"
     return s
 
 
@@ -69,6 +86,9 @@ def _create_op(limits: str, security: list) -> dict:
             "200": {"description": "The response object (with `background`: as queued), or with `stream`: true "
                                    "typed events, `sequence_number` from 0, ended by response.completed, "
                                    ".incomplete or .failed",
+                    "links": {name: {"operationId": op, "parameters": {"id": "$response.body#/id"}}
+                              for name, op in (("GetResponse", "retrieveResponse"), ("CancelResponse", "cancelResponse"),
+                                               ("DeleteResponse", "deleteResponse"))},
                     "content": {"application/json": {"schema": _ref("ResponseObject")},
                                 "text/event-stream": {"itemSchema": events}}},
             "400": _error("the request is invalid; `error.param` names the field"),
@@ -86,6 +106,8 @@ def _id_op(method: str, op: str, summary: str, ok: dict, security: list, extra: 
     param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {method: {"operationId": op, "summary": summary, "security": security, "parameters": [param],
                      "responses": {"200": ok, "404": _error("unknown, deleted, not stored or evicted"),
+                                   "403": _error("refused `Host` or `Origin`"),
+                                   **({"401": _error("missing or invalid API key")} if security else {}),
                                    **(extra or {})}}}
 
 
@@ -94,6 +116,9 @@ def add_responses(doc: dict, cap: int, names: tuple[str, ...], joint: bool, limi
     _, comps = msgspec.json.schema_components([r.ResponsesRequest, *ITEMS, r.FunctionTool, f.ResponseObject,
                                                f.StreamEvent, DeletedResponse], ref_template=REF)
     comps["ResponsesRequest"] = _request(comps["ResponsesRequest"], cap, names, joint)
+    comps["InputContentPart"] = _part(comps["InputContentPart"])
+    comps["TextFormat"]["allOf"] = [{"if": {"properties": {"type": {"const": "json_schema"}}},
+                                     "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}}]
     events = msgspec.json.schema(f.StreamEvent, ref_template=REF)
     comps["StreamEvent"] = {k: v for k, v in events.items() if k != "$defs"}
     schemas = doc["components"]["schemas"]

@@ -45,7 +45,12 @@ Includable = Literal["reasoning.encrypted_content", "message.output_text.logprob
                      "code_interpreter_call.outputs", "computer_call_output.output.image_url"]
 
 
-class InputContentPart(Struct, forbid_unknown_fields=True):
+# fields of image, file and audio parts: decoded only so that such a part is refused by its type
+REFUSED_PART_FIELDS = ("image_url", "file_id", "file_data", "file_url", "filename", "detail", "input_audio")
+_RefusedParts = msgspec.defstruct("_RefusedParts", [(n, Any, None) for n in REFUSED_PART_FIELDS])
+
+
+class InputContentPart(_RefusedParts, forbid_unknown_fields=True, kw_only=True):
     """A part of a message's content: text parts are served; image, file and audio parts are
     decoded only to be refused by name."""
 
@@ -54,13 +59,6 @@ class InputContentPart(Struct, forbid_unknown_fields=True):
     refusal: Optional[str] = None
     annotations: Optional[list[Any]] = None  # an output_text's, replayed: ignored
     logprobs: Optional[list[Any]] = None
-    image_url: Any = None
-    file_id: Any = None
-    file_data: Any = None
-    file_url: Any = None
-    filename: Any = None
-    detail: Any = None
-    input_audio: Any = None
 
 
 class MessageItem(Struct, forbid_unknown_fields=True):
@@ -127,20 +125,17 @@ class HostedTool(Struct):
     type: str
 
 
-class ToolChoiceObject(Struct, forbid_unknown_fields=True):
-    """{"type": "function", "name": ...} forces that function; other kinds are refused by name."""
+class ToolChoiceFunction(Struct, forbid_unknown_fields=True):
+    """Forces a call of the function named (other kinds of OpenAI's tool_choice are refused)."""
 
-    type: str
-    name: Optional[str] = None
-    mode: Any = None
-    tools: Any = None
-    server_label: Any = None
+    type: Literal["function"]
+    name: str
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceObject]
+ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceFunction]
 
 
-class TextFormat(Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
+class TextFormat(Struct, forbid_unknown_fields=True, omit_defaults=True, rename={"schema_": "schema"}):
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
     schema_: Optional[dict[str, Any]] = None
@@ -165,7 +160,10 @@ class ResponsesStreamOptions(Struct, forbid_unknown_fields=True):
     include_obfuscation: Optional[bool] = None  # accepted: no obfuscation is added
 
 
-class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
+_NullOnly = msgspec.defstruct("_NullOnly", [(n, Any, None) for n in sorted(UNSUPPORTED)])
+
+
+class ResponsesRequest(_NullOnly, forbid_unknown_fields=True, omit_defaults=True):
     """OpenAI Responses fields verity implements, plus its own (`mode`, `thinking`, sampling)."""
 
     model: Optional[str] = None
@@ -193,16 +191,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     client_metadata: Optional[dict[str, str]] = None  # Codex's
     service_tier: Optional[Literal["auto", "default"]] = None
     truncation: Optional[Literal["disabled"]] = None  # "auto" would drop input: a long one is refused instead
-    top_logprobs: Optional[Annotated[int, Meta(ge=0, le=0)]] = None
-    conversation: Any = None
-    prompt: Any = None
-    context_management: Any = None
-    max_tool_calls: Any = None
-    moderation: Any = None
-    image: Any = None
-    background_options: Any = None
-    prompt_cache_options: Any = None
-    access_programs: Any = None
+    # and UNSUPPORTED's fields, null only (top_logprobs: also 0)
     # verity's own
     mode: Optional[m.Mode] = "baseline"
     thinking: Optional[bool] = None
@@ -231,7 +220,7 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     req = decode_body(body, _decoder, UNSUPPORTED)
     for name in sorted(UNSUPPORTED):
         value = getattr(req, name)
-        if value is not None and not (name == "top_logprobs" and value == 0):
+        if value is not None and not (name == "top_logprobs" and type(value) is int and value == 0):
             raise RequestInvalid(f"`{name}` is not supported by verity (only null)", name, "unsupported_parameter")
     if req.input is None or req.input == [] or req.input == "":
         raise RequestInvalid("`input` is required and must not be empty", "input")
@@ -244,6 +233,9 @@ def convert(req: ResponsesRequest, history: list[m.Message]) -> Converted:
     """The GenerateRequest of `req` continuing `history` (a stored conversation; [] for none)."""
     turn = input_messages(req.input)
     tools, positions, hosted = convert_tools(req.tools)
+    if not history and not turn:
+        raise RequestInvalid("`input` holds no message, function call or function call output (reasoning items are "
+                             "left out of the prompt)", "input")
     system = [m.Message("system", req.instructions)] if req.instructions else []
     gen = m.GenerateRequest(
         model=req.model, messages=system + history + turn, max_tokens=req.max_output_tokens,
@@ -292,6 +284,8 @@ def _item(raw: Any, i: int) -> InputItem:
     if not isinstance(raw, dict):
         raise RequestInvalid(f"`{where}` must be an object (an input item)", where)
     kind = raw.get("type", "message" if "role" in raw else None)
+    if not isinstance(kind, (str, type(None))):
+        raise RequestInvalid(f"`{where}.type` must be a string", f"{where}.type")
     if kind in ITEMS:
         return _convert(raw, ITEMS[kind], where)
     if kind in UNSERVED_ITEMS:
@@ -323,6 +317,8 @@ def convert_tools(raw: Optional[list[dict[str, Any]]]) -> tuple[Optional[list[m.
     tools, positions, hosted = [], [], []
     for i, t in enumerate(raw or []):
         kind = t.get("type")
+        if not isinstance(kind, str):
+            raise RequestInvalid(f"`tools[{i}].type` must be a string", f"tools[{i}].type", "invalid_tools")
         if kind == "function":
             f = _convert(t, FunctionTool, f"tools[{i}]")
             tools.append(m.Tool("function", m.FunctionDef(f.name, f.description, f.parameters, f.strict)))
@@ -338,12 +334,6 @@ def convert_tools(raw: Optional[list[dict[str, Any]]]) -> tuple[Optional[list[m.
 def _tool_choice(choice: Optional[ToolChoice], offered: bool) -> Optional[m.ToolChoice]:
     if choice is None or isinstance(choice, str):
         return choice if offered or choice == "required" else None
-    if choice.type != "function":
-        raise RequestInvalid(f"`tool_choice` of type `{choice.type}` is not supported by verity (\"none\", \"auto\", "
-                             "\"required\" or a function)", "tool_choice.type", "unsupported_parameter")
-    if not choice.name:
-        raise RequestInvalid("`tool_choice` of type `function` needs the function's `name`", "tool_choice.name",
-                             "invalid_tools")
     return m.NamedToolChoice("function", m.FunctionName(choice.name))
 
 

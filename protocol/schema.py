@@ -46,8 +46,8 @@ def parse_request(body: bytes, endpoint: Endpoint) -> GenerateRequest:
 
 
 def decode_body(body: bytes, decoder: msgspec.json.Decoder, unsupported: frozenset = UNSUPPORTED_FIELDS):
-    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (`unsupported`: the
-    top-level fields refused as not supported rather than unknown)."""
+    """JSON bytes -> the decoder's struct, or RequestInvalid naming the field (every route's;
+    `unsupported`: the top-level fields refused as not supported rather than unknown)."""
     try:
         body.decode("utf-8")  # msgspec versions report bad UTF-8 differently: check it first
     except UnicodeDecodeError as e:

@@ -30,6 +30,29 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny qwen3_5 with Qwen3.5's thinking template, and a noisy copy of it as its draft."""
+    from bench.tiny_models import THINKING_TEMPLATE, build_tiny_model
+
+    root = tmp_path_factory.mktemp("thinking")
+    target = build_tiny_model(root / "target", "qwen3_5", seed=0, chat_template=THINKING_TEMPLATE)
+    return target, build_tiny_model(root / "draft", "qwen3_5", seed=1, perturb_from=target, noise=0.3)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The openai SDK on the module's `stack`."""
+    import openai
+
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_lm(tiny_llama):
     from worker.loader import load_model
 

@@ -374,8 +374,10 @@ def test_schemathesis_finds_no_server_error(served, tmp_path, reliability):
     for e in entries:
         path = urlsplit(e["request"]["url"]).path
         op = "/v1/models/{model}" if path.startswith("/v1/models/") else path
+        if path.startswith("/v1/responses/"):
+            op = "/v1/responses/{id}/cancel" if path.endswith("/cancel") else "/v1/responses/{id}"
         by_op[f"{e['request']['method']} {op}"][e["response"]["status"]] += 1
-    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages"):
+    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/responses"):
         assert by_op[op][200] > 0, (op, dict(by_op[op]))  # a server that refuses everything does not pass
     assert not any(status >= 500 for c in by_op.values() for status in c), dict(by_op)
     status, body = served.health()
@@ -395,4 +397,5 @@ def test_schemathesis_finds_no_server_error(served, tmp_path, reliability):
 
 
 DOCUMENTED = {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
-              "GET /health", "POST /v1/messages", "POST /v1/messages/count_tokens"}
+              "GET /health", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
+              "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "POST /v1/responses/{id}/cancel"}

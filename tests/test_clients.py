@@ -50,16 +50,6 @@ def stack(tiny_llama, tmp_path_factory):
     assert s.exit_code == 0, s.log()
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 

@@ -2,13 +2,17 @@
 a forced tool call ends clean, whole and streamed, baseline and joint; grammars compile on the
 worker's pool, so heavy schemas hold up neither a running stream nor a small request; a schema
 past the compiler's limits is a 400 naming the limit; a long prompt prefills in chunks sized by
-their cost, so a running stream's gaps stay short however deep the prompt goes."""
+their cost, so a running stream's gaps stay short however deep the prompt goes; Codex CLI, where
+installed, answers through /v1/responses."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import time
 
 import aiohttp
@@ -222,3 +226,32 @@ async def test_a_long_prompt_beside_a_stream_keeps_its_gaps_short(embedded, reli
         median_gap_first_third_s=round(early, 2), median_gap_deepest_third_s=round(deep, 2),
         gaps_over_1_s=sum(g > 1 for g in gaps), long_prompt_answered_after_s=round(end - start, 1),
         lost=0, hung=0, leaked="none")
+
+
+# Codex CLI's prompt trimmed to what a 135M model's CPU prefill takes in seconds (docs/agents.md)
+CODEX_TRIM = ["-c", 'model_instructions_file="{short}"', "-c", "include_permissions_instructions=false",
+              "-c", "include_environment_context=false", "-c", "features.multi_agent=false",
+              "-c", "features.goals=false", "-c", 'web_search="disabled"', "-c", "skills.include_instructions=false"]
+
+
+@pytest.mark.skipif(shutil.which("codex") is None, reason="Codex CLI is not installed (npm install -g @openai/codex)")
+def test_codex_exec_answers_over_responses(embedded, tmp_path):
+    """`codex exec` with a custom provider on wire_api "responses": Codex's own request (its input
+    items, function tools, hosted tools, include, prompt_cache_key, client_metadata, store false)
+    is served, streamed, and its answer printed; no request of it is refused."""
+    home = tmp_path / "codex"
+    home.mkdir()
+    model = embedded.health()[1]["model"]
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "verity"\n\n[model_providers.verity]\nname = "verity"\n'
+        f'base_url = "{embedded.url}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\nstream_max_retries = 0\n')
+    short = tmp_path / "instructions.md"
+    short.write_text("Be brief. You are a coding agent; use exec_command to run shell commands.\n")
+    last = tmp_path / "last.txt"
+    trim = [a.format(short=short) for a in CODEX_TRIM]
+    r = subprocess.run(["codex", "exec", "--skip-git-repo-check", "--ephemeral", "-o", str(last), *trim, "Say hello."],
+                       cwd=tmp_path, env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and last.read_text().strip(), r.stdout[-3000:] + r.stderr[-3000:]
+    log = embedded.log()
+    assert "admitted (responses" in log and "refused POST /v1/responses" not in log, log[-3000:]

@@ -163,6 +163,7 @@ def _frame(width: int) -> str:
                               "cache_budget_bytes": 1 << 30, "cache_hits": 9876, "cache_lookups": 12345},
              "totals": {"finished": {"stop": 123456, "length": 234567, "cancelled": 3456},
                         "responses": {"200": 361479, "400": 4321, "429": 765, "503": 21},
+                        "kinds": {"chat": 360000, "completion": 1479, "responses": 5107},
                         "errors": {"context_length_exceeded": 17, "generation_failed": 3},
                         "error_statuses": {"400": 17, "500": 3},
                         "prompt_tokens": 123456789, "generation_tokens": 98765432, "cached_tokens": 7654321},
@@ -179,6 +180,7 @@ def test_every_value_shows_at_80_columns_and_errors_are_split_by_class(width):
     """Client errors (4xx) apart from server errors (5xx), and no value cut or dropped at 80 columns."""
     text = _frame(width)
     for value in ("123456789 · 98765432", "123456 · 234567 · 3456", "5086 · 21", "17 · 3", "12345.6",
-                  "876543/987654 = 89%", "54321", "1234.567 s · 22.73 ms", "7654321", "123 ms · 12345 ms"):
+                  "876543/987654 = 89%", "54321", "1234.567 s · 22.73 ms", "7654321", "123 ms · 12345 ms",
+                  "360000 · 1479 · 5107"):
         assert value in text, (value, text)
     assert "…" not in text

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.tiny_models import THINKING_TEMPLATE, build_tiny_model
+from bench.tiny_models import build_tiny_model
 from gateway import responses_format as shapes
 from gateway.response_store import ResponseStore, size_of
 from stack import Stack, wait_until
@@ -46,16 +46,6 @@ def stack(tiny_llama, tmp_path_factory):
                "--responses-max-count", str(STORE_COUNT), "--responses-max-bytes", str(STORE_BYTES)) as s:
         yield s
     assert s.exit_code == 0 and "Traceback" not in s.log(), s.log()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
@@ -320,10 +310,8 @@ BUDGET = 8  # --max-thinking-tokens: the random model never closes its block its
 
 
 @pytest.fixture(scope="module")
-def thinking(tmp_path_factory):
-    root = tmp_path_factory.mktemp("responses-thinking")
-    target = build_tiny_model(root / "target", "qwen3_5", seed=0, chat_template=THINKING_TEMPLATE)
-    draft = build_tiny_model(root / "draft", "qwen3_5", seed=1, perturb_from=target, noise=0.3)
+def thinking(thinking_pair):
+    target, draft = thinking_pair
     with Stack(str(target), "--draft", str(draft), "--draft-budget", "2", "--max-tokens-cap", "256",
                "--max-thinking-tokens", str(BUDGET)) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
@@ -355,3 +343,34 @@ def test_reasoning_is_an_item_before_the_answer(thinking):
     with pytest.raises(openai.BadRequestError) as e:
         thinking.responses.create(**kw, reasoning={"effort": "high"}, extra_body={"thinking": False})
     assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_a_client_that_leaves_cancels_its_response(stack, model):
+    import httpx
+
+    body = {"model": model, "input": "go on", "stream": True, "max_output_tokens": CAP - 100, "ignore_eos": True}
+    with httpx.stream("POST", stack.url + "/v1/responses", json=body, timeout=60) as r:
+        rid = r.headers["X-Request-Id"]
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.output_text.delta"' in line:
+                break  # leave mid-stream
+    wait_until(stack.idle, 30, "the left response cancelled and its slot free")
+    assert f"[{rid}] client went away: cancelling" in stack.log()
+    status, kept = post(stack, f"/v1/responses/{rid}/cancel", {})
+    assert status == 200 and kept["status"] == "cancelled" and kept["output"][0]["status"] == "incomplete"
+
+
+def test_the_time_limit_ends_a_response(tiny_llama, model):
+    with Stack(str(tiny_llama), "--request-timeout-s", "1", "--max-tokens-cap", str(CAP)) as s:
+        slow = {"input": "go on", "max_output_tokens": CAP, "temperature": 0}
+        status, err = post(s, "/v1/responses", {**slow, "ignore_eos": True})
+        if status == 200:  # a fast machine may write CAP tokens within the second
+            pytest.skip("the generation ended within the time limit")
+        assert status == 504 and err["error"]["code"] == "request_timeout"
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        with client.responses.stream(model=model, **slow, extra_body={"ignore_eos": True}) as st:
+            events = list(st)
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-1].response.status == "failed" and events[-1].response.error.code == "request_timeout"
+        wait_until(s.idle, 30, "the timed-out responses' slots free")
+    assert s.exit_code == 0 and "Traceback" not in s.log(), s.log()
