@@ -29,6 +29,7 @@ class QueuedRequest:
     detok: Optional[StreamingDetokenizer] = None
     stop: Optional[StopMatcher] = None
     tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # the text emitted (what its client may resend)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     finished: Optional[m.Finished] = None
@@ -77,6 +78,7 @@ class Emitter:
             return self.finish(r, "stop", events)
         text, stopped = r.stop.feed(r.detok.add(token))
         if text or not stopped:
+            r.text.append(text)
             events.append(m.TextDelta(r.id, text, [token], None if lp is None else [self._logprob(lp)],
                                       None if drafted is None else [drafted]))
         if stopped:
@@ -98,6 +100,7 @@ class Emitter:
             text, stopped = r.stop.feed(r.detok.flush())
             tail = text if stopped else text + r.stop.flush()
             if tail:
+                r.text.append(tail)
                 events.append(m.TextDelta(r.id, tail, []))
         r.finished = m.Finished(r.id, reason, self.metrics(r), stop_sequence=r.stop.hit if r.stop else None)
         events.append(r.finished)

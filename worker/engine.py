@@ -33,8 +33,8 @@ from worker.loader import LoadedModel
 from worker.residency import empty_weights
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import POSITIONS, Scheduler
-from worker.state.reuse import Held, PrefixCache, Start
-from worker.text import PromptInvalid, render_prompt
+from worker.state.reuse import Held, Plan, PrefixCache, Start
+from worker.text import PromptInvalid, answer_message, render_prompt
 
 
 @dataclass
@@ -59,6 +59,17 @@ class RequestError(Exception):
     def __init__(self, code: str, message: str, status: int = 400, param: Optional[str] = None):
         super().__init__(message)
         self.code, self.message, self.status, self.param = code, message, status, param
+
+
+@dataclass
+class Extension:
+    """A finished answer as its next turn will resend it (PrefixCache.continuation), to prefill
+    between the turns; `req`: the request that made it."""
+
+    req: m.GenerateRequest
+    plan: Plan
+    tokens: list[int]
+    floor: int  # the prefix a snapshot must give (its prompt's last message): else it is not worth it
 
 
 class _Totals:
@@ -108,6 +119,7 @@ class Engine:
         self.kv_budget = config.kv_budget or memory.default_budget(
             memory.weights_bytes(lm.model) + (memory.weights_bytes(draft.model) if draft else 0))
         self._reserved = 0  # bytes the admitted requests' worst cases hold
+        self._extensions: deque[Extension] = deque()  # prefilled at the next step, before admitting
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
         self.vocab_size = len(lm.tokenizer.get_vocab())
@@ -182,12 +194,14 @@ class Engine:
             self._lock.notify()
 
     def wait_for_work(self, timeout: float) -> bool:
+        """True when a step is due: requests to serve, or answers to prefill between the turns."""
         with self._lock:
-            if not self.has_work():
+            if not self.has_work() and not self._extensions:
                 self._lock.wait(timeout)
-            return self.has_work()
+            return self.has_work() or bool(self._extensions)
 
     def has_work(self) -> bool:
+        """Requests to serve (answers to prefill wait for a step: the next request's, if none sooner)."""
         return bool(self._active or self._waiting or self._cancels)
 
     def has_requests(self) -> bool:
@@ -217,6 +231,7 @@ class Engine:
         events: list = []
         self._apply_cancels(events)
         with mx.stream(generation_stream):  # mlx-lm's own stream, as its generate_step uses
+            self._extend(events)
             self._admit(events)
             if self._active:
                 self._round(events)
@@ -353,6 +368,40 @@ class Engine:
             return
         tokens, cache, draft_cache, draft_tokens = self.runner.held(r.id)
         self.reuse.keep_generation(r.plan, Held(tokens, cache, draft_cache, draft_tokens))
+        inside = thinking.starts_inside(self.think, r.prompt)
+        answer = answer_message("".join(r.text), self.think is not None, inside)
+        ext = None if self.lm.sharding else self.reuse.continuation(r.req, r.plan, r.prompt, tokens, answer)
+        if ext is not None:
+            floor = r.plan.boundaries[-1] if r.plan.boundaries else len(r.prompt)
+            self._extensions.append(Extension(r.req, r.plan, ext, floor))
+
+    def _extend(self, events: list) -> None:
+        """Prefills each finished answer as its next turn will resend it, from the longest snapshot,
+        and keeps a snapshot at its end; skipped when its caches do not fit the KV budget now."""
+        while self._extensions:
+            x = self._extensions.popleft()
+            joint = x.req.mode == "joint"
+            prompt = x.tokens + x.tokens[-1:]  # the row holds x.tokens: its last token is never fed
+            cost = self.cache_cost + self.draft_cost if joint else self.cache_cost
+            if self.reuse is None or self._reserved + cost.worst_case(len(prompt)) > self.kv_budget:
+                continue
+            plan = Plan(x.plan.identity, [len(x.tokens)])
+            s = self.reuse.restored(plan, prompt, joint)
+            if s.pos < x.floor:
+                continue
+            sampling = sampling_for(x.req, self.config.defaults, self.vocab_size)
+            row = Row("\x00extend", prompt, sampling, make_key_fn(sampling.seed), joint=joint)
+            row.boundaries = self.reuse.boundaries(plan, s.pos, len(prompt))
+            row.on_boundary = lambda n, c, dc, dn: self.reuse.keep_boundary(plan, x.tokens[:n], c, dc, dn)
+            try:
+                self.runner.join(row, s.cache, s.pos, s.draft_cache, s.draft_pos)
+                while row.phase == Phase.PREFILL:
+                    self.runner.prefill()
+            except Exception as e:  # as a failed round: the batch's state is unknown
+                for r in list(self._active):
+                    self._fail(r, e, events)
+            finally:
+                self.runner.leave(row.id)
 
     def release_memory(self) -> None:
         """Idle unload (worker/residency.py), on an empty batch: the weights emptied in place, the

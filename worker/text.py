@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import msgspec
+
 from protocol import messages as m
 from protocol.messages import GenerateRequest
 from protocol.schema import message_text
 from worker import tools
+from worker.thinking import THINK_CLOSE, THINK_OPEN
 
 
 class PromptInvalid(ValueError):
@@ -55,6 +58,26 @@ def message_boundaries(tokenizer, req: GenerateRequest, prompt: list[int]) -> li
         if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
             out.add(len(ids))
     return sorted(out)
+
+
+def answer_message(text: str, thinks: bool, inside: bool) -> m.Message:
+    """The assistant message a client resends for a reply's `text`: a thinking model's think block
+    (open in the prompt: `inside`, or opened at the reply's start) as its reasoning, what follows
+    `</think>`, less its leading whitespace, as its content (gateway/reasoning.py's split)."""
+    head = text.lstrip()
+    opened = thinks and head.startswith(THINK_OPEN)
+    if not thinks or not (inside or opened):
+        return m.Message("assistant", text)
+    reasoning, closed, rest = (head[len(THINK_OPEN):] if opened else text).partition(THINK_CLOSE)
+    return m.Message("assistant", rest.lstrip() if closed else "", reasoning_content=reasoning)
+
+
+def answer_rendered(tokenizer, req: GenerateRequest, answer: m.Message) -> list[int]:
+    """The conversation with `answer` as the assistant's next message, as the template renders it
+    (no generation prompt): what the next turn's prompt starts with when its client resends the
+    answer (a call in the generic format renders as the text that made it)."""
+    nxt = msgspec.structs.replace(req, messages=[*req.messages, answer])
+    return _render(tokenizer, nxt, len(nxt.messages), add_generation_prompt=False)
 
 
 def tokenize(tokenizer, job: m.TokenizeJob, vocab_size: int) -> m.Tokens:

@@ -3,8 +3,11 @@
 A request's caches start from the longest snapshot the cache service finds for its identity
 (restored into a private copy), are prefilled up to each verified message boundary past it (a
 snapshot kept at each), and the rest is the decoder's. At the end of a generation the target
-cache, which then holds exactly the prompt and the tokens it consumed, is kept too. A snapshot is
-kept only when the cache service grants it, after dropping what the service evicts.
+cache, which then holds exactly the prompt and the tokens it consumed, is kept too. Where the
+template renders the answer, resent as the next turn's assistant message, as other tokens than
+those generated (`continuation`), the engine prefills that rendering between the turns and keeps
+a snapshot at its end: the next turn then reuses its whole answer, on hybrid models too. A snapshot
+is kept only when the cache service grants it, after dropping what the service evicts.
 
 Hybrid models (recurrent state) reuse only snapshots that end exactly at a prefix of the prompt;
 pure-attention models may also cut a longer one back to the common prefix (`trimmable`). A
@@ -26,7 +29,7 @@ from protocol import messages as m
 from worker.cache_client import CacheClient
 from worker.state.snapshots import Snapshot, SnapshotStore, capture, restore, trimmable
 from worker.state import checkpoint as st
-from worker.text import message_boundaries
+from worker.text import answer_rendered, message_boundaries
 
 log = logging.getLogger("verity.worker")
 
@@ -118,6 +121,23 @@ class PrefixCache:
     def keep_boundary(self, plan: Plan, tokens: list[int], cache: list, draft_cache: Optional[list] = None,
                       draft_tokens: int = 0) -> None:
         self.keep(plan.identity, tokens, "boundary", cache, draft_cache, draft_tokens)
+
+    def continuation(self, req: m.GenerateRequest, plan: Plan, prompt: list[int], held: list[int],
+                     answer: m.Message) -> Optional[list[int]]:
+        """The tokens the next turn starts with when its client resends `answer`, where the held
+        ones are not a prefix of them (another tokenization than the generated one, a thinking
+        block the template drops, a cut call); None where they are, or where the rendering
+        changes the prompt before its last message's end (reaching it would cost a long prefill)."""
+        if req.messages is None:
+            return None
+        try:
+            ids = answer_rendered(self.tokenizer, req, answer)
+        except Exception:  # a template may refuse the conversation it would get
+            return None
+        end = plan.boundaries[-1] if plan.boundaries else len(prompt)
+        if ids[: len(held)] == held or ids[:end] != prompt[:end]:
+            return None
+        return ids
 
     def _restore(self, plan: Plan, prompt: list[int], joint: bool) -> Optional[Start]:
         hit = self.client.lookup(plan.identity, prompt, self.trimmable)
