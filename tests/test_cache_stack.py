@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -72,7 +73,8 @@ async def test_snapshots_survive_a_worker_restart_with_cache_dir(tiny_llama, tmp
         await until(lambda: s.health()[0] == 200 and s.worker_pid() not in (None, old), 60, "the restarted worker")
         _, nxt, _ = await post(s.url, body(convo("hello world", "tell me a story")), headers={})
         assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
-        assert "found 1 spilled snapshots" in s.log()
+        found = re.search(r"found (\d+) spilled snapshots", s.log())  # the prompt's, and the answer's if it was in
+        assert found and int(found.group(1)) >= 1, s.log()
     assert s.exit_code == 0
 
 
