@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import mlx.core as mx
 import msgspec
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import pytest
 
@@ -14,6 +16,7 @@ from conftest import FULL
 from joint_fixtures import load_pair
 from protocol import messages as m
 from test_batching import CountingModel, chat, divergences_off_near_ties, drive
+from worker.batch import drafts
 from worker.engine import Engine, EngineConfig
 from worker.round import RoundInput, RoundPlan
 from worker.scheduler import POSITIONS, Scheduler
@@ -113,7 +116,12 @@ def test_drafting_joint_rows_beside_baseline_rows_decode_as_each_alone(pair, dra
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 
-def test_greedy_output_is_exact_as_joint_rows_draft_in_waves(pair):
+@pytest.mark.parametrize("draft_states", ["kept", "replayed"])
+def test_greedy_output_is_exact_as_joint_rows_draft_in_waves(pair, draft_states, monkeypatch):
+    """A draft that proposed past a rejection takes its state after its last kept token: kept
+    from the round's forwards, or (past their byte budget) replayed from the round's start."""
+    if draft_states == "replayed":
+        monkeypatch.setattr(drafts, "STEPS_BYTES", -1)
     reqs = {f"r{i}": (joint if i % 3 else chat)(p, 14 + 3 * i) for i, p in enumerate(PROMPTS)}
     arrivals = {0: [("r0", reqs["r0"]), ("r1", reqs["r1"]), ("r2", reqs["r2"])], 3: [("r3", reqs["r3"])],
                 9: [("r4", reqs["r4"])], 13: [("r5", reqs["r5"])]}
@@ -130,6 +138,38 @@ def test_greedy_output_is_exact_as_joint_rows_draft_in_waves(pair):
             continue
         assert len(got[rid]) == req.max_tokens
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
+
+
+@pytest.mark.parametrize("draft_states", ["kept", "replayed"])
+def test_a_draft_after_a_rejection_holds_the_state_of_the_tokens_it_kept(pair, draft_states, monkeypatch):
+    """After every round, each joint row's draft state (recurrent arrays and keys) is what the
+    draft alone computes over the row's tokens up to the draft's length: a wrong state keeps
+    outputs exact (the target verifies) but lowers acceptance, so the outputs cannot show it."""
+    if draft_states == "replayed":
+        monkeypatch.setattr(drafts, "STEPS_BYTES", -1)
+    engine = Engine(pair.target, EngineConfig(max_active=4, prefill_step=16), pair.drafts["perturbed"])
+    engine.scheduler = Waves(k=3, period=2, on=range(0, 1))
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.submit(f"r{i}", joint(p, 30))
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        runner = engine.runner
+        for rid, row in runner.rows.items():
+            n = runner.draft.lengths[rid]
+            if not n:
+                continue
+            ref = make_prompt_cache(runner.draft.model)
+            runner.draft.model(mx.array([row.seq[:n]]), cache=ref)
+            for got, want in zip(runner.draft.row_cache(rid), ref):
+                pairs = ([(got.keys, want.keys), (got.values, want.values)] if isinstance(got, KVCache)
+                         else list(zip(got.cache, want.cache)))
+                for a, b in pairs:
+                    if isinstance(got, KVCache):
+                        a, b = a[..., :n, :], b[..., :n, :]
+                    assert mx.allclose(a, b, atol=1e-3, rtol=1e-3).item(), (rid, n, type(got).__name__)
+            checked += 1
+    assert checked > 20 and engine.totals.joint.rollbacks > 0
 
 
 @pytest.mark.parametrize("budget", [0, 2])

@@ -20,6 +20,7 @@ from worker.joint.sampling import token_probs
 from worker.sampling import process
 
 CATCH_UP_LAG = 4  # a draft lagging more tokens than this first feeds them in a forward of their own
+STEPS_BYTES = 1 << 30  # a round keeps its draft's states after each forward while they take at most this
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Drafts:
     lags: list[int] = field(default_factory=list)  # tokens each row fed before proposing (y among them)
     bases: list[int] = field(default_factory=list)  # each row's draft length before the round
     before: list = field(default_factory=list)  # the recurrent arrays before the round (a replay starts there)
-    steps: list = field(default_factory=list)  # one row alone: its recurrent arrays after each forward
+    steps: list = field(default_factory=list)  # the recurrent arrays after each forward (when they fit STEPS_BYTES)
 
     def k(self, rid: str) -> int:
         return self.ks[self.ids.index(rid)] if rid in self.ids else 0
@@ -71,16 +72,19 @@ def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int
     x[mx.arange(len(ids)), mx.array(at)] = ys.astype(mx.uint32)  # each row's pending token after what it lacks
     drafts = Drafts(ids, ks, mx.zeros((len(ids), 0), mx.uint32), lags=lags, bases=bases,
                     before=batch.recurrent_rows(batch.span(ids)))
+    keep_steps = _nbytes(drafts.before) * (max(ks) - 1) <= STEPS_BYTES
     chosen, widths = [], lags
     for j in range(max(ks)):
         f = batch.forward(ids, x, widths)
         batch.commit(f, widths)
-        if len(ids) == 1:  # a row's states, by reference: recovery picks one (a replay costs a forward)
+        if keep_steps:  # the states by reference: recovery picks each row's (a replay costs a forward)
             drafts.steps.append(batch.recurrent_rows(f.span))
         last = mx.array([max(w - 1, 0) for w in widths]) if j == 0 else mx.zeros(len(ids), mx.int32)
         logits = f.logits[mx.arange(len(ids)), last]
         toks = _choose(rows, ids, ks, j, logits, ys, chosen, drafts)
         chosen.append(toks)
+        if mx.default_device() != mx.cpu:  # the device runs this step while the next one's graph is built
+            mx.async_eval(toks)
         x = toks[:, None]
         widths = [int(j + 1 < k) for k in ks]
     drafts.tokens = mx.stack(chosen, axis=1) if chosen else drafts.tokens
@@ -121,16 +125,21 @@ def _choose(rows: dict[str, Row], ids: list[str], ks: list[int], j: int, logits:
 def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: dict[str, int]) -> None:
     """Each drafting row's draft keeps what it fed that the target kept: what it lacked and its
     proposals up to the first rejected one (the last proposal it never fed). A row that fed a
-    rejected proposal goes back to its state before the round and feeds the kept ones again, in
-    one forward for all such rows (per-step states kept instead cost k copies of every row's)."""
+    rejected proposal takes its state after the forward that fed its last kept token (kept by
+    reference), or, where the round kept none, goes back to its state before the round and feeds
+    the kept ones again, in one forward for all such rows."""
     ids = drafts.ids
     keep = [lag + min(accepted.get(r, 0), k - 1) if k else 0 for r, k, lag in zip(ids, drafts.ks, drafts.lags)]
     back = [bool(k) and n < lag + k - 1 for k, n, lag in zip(drafts.ks, keep, drafts.lags)]
     if not any(back):
         return
-    if drafts.steps:  # one row: its state after the kept forward, kept by reference
-        batch.put_recurrent(ids, drafts.steps[keep[0] - drafts.lags[0]])
-        batch.lengths[ids[0]] = drafts.bases[0] + keep[0]
+    if drafts.steps:
+        last = len(drafts.steps) - 1
+        at = [n - lag if b else last for n, lag, b in zip(keep, drafts.lags, back)]
+        batch.put_recurrent(ids, _pick(drafts.steps, at))
+        for r, base, n, b in zip(ids, drafts.bases, keep, back):
+            if b:
+                batch.lengths[r] = base + n
         return
     mask = mx.array(back)
     now = batch.recurrent_rows(batch.span(ids))
@@ -142,6 +151,27 @@ def recover(batch: SlotBatch, drafts: Drafts, rows: dict[str, Row], accepted: di
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.uint32)
     offsets = [base if b else batch.lengths[r] for r, base, b in zip(ids, drafts.bases, back)]
     batch.commit(batch.forward(ids, x, widths, offsets=offsets), widths)
+
+
+def _pick(steps: list, at: list[int]) -> list:
+    """Each recurrent layer's arrays with row i taken from steps[at[i]]."""
+    js = sorted(set(at))
+    if len(js) == 1:
+        return steps[js[0]]
+    sel = mx.array(at)
+    out = []
+    for e, layer in enumerate(steps[js[-1]]):
+        arrays = []
+        for a_i, a in enumerate(layer):
+            for j in js[:-1] if a is not None else []:
+                a = mx.where(_rows(sel == j, a), steps[j][e][a_i], a)
+            arrays.append(a)
+        out.append(arrays)
+    return out
+
+
+def _nbytes(arrays: list) -> int:
+    return sum(a.nbytes for layer in arrays for a in layer if a is not None)
 
 
 def _rows(mask: mx.array, like: mx.array) -> mx.array:

@@ -274,6 +274,8 @@ class BatchRunner:
         if mx.default_device() == mx.cpu or self._drafting_rounds % DRAFT_TIMED_EVERY == 1:
             mx.eval(drafts.tokens)
             out.draft_s = time.perf_counter() - t1
+        else:  # the device runs the draft while the verify's graph is built
+            mx.async_eval(drafts.tokens)
         width = 1 + max(ks)
         x = self._verify_inputs(ids, jids, drafts.tokens, ys, width)
         f = self.target.forward(ids, x, [1 + k for k in ks], record=self.recovery == "fast")
