@@ -173,6 +173,37 @@ def test_admission_and_snapshots_count_quantized_bytes(models, arch):
     assert kv_bytes_per_token(lm, Q4) <= 0.3 * kv_bytes_per_token(lm, NATIVE)
 
 
+class RollingQuantized(QuantizedKVCache):
+    """mlx-lm's QuantizedKVCache masked as a rotating window of `window` keeping the first `keep`."""
+
+    def __init__(self, fmt: KVFormat, window: int, keep: int):
+        super().__init__(fmt.group_size, fmt.bits)
+        self.window, self.keep = window, keep
+
+    def make_mask(self, n: int, **_):
+        q, k = self.offset + mx.arange(n), mx.arange(self.offset + n)
+        return (k[None] <= q[:, None]) & ((k[None] < self.keep) | (k[None] > q[:, None] - (self.window - self.keep)))
+
+
+def test_a_rolling_row_decodes_past_the_window_under_quantized_kv(models):
+    """context_overflow "rolling" with 8-bit KV: the mask hides what a rotating cache drops, as
+    for native KV; the output equals a greedy loop over QuantizedKVCache masked so."""
+    from worker.context import ROLLING_KEEP
+
+    lm, window, n = models["llama"][0], 48, 80
+    req = m.GenerateRequest(messages=[m.Message("user", "the quick brown fox")], max_tokens=n, temperature=0.0,
+                            ignore_eos=True, context_overflow="rolling")
+    got = run_one(Engine(lm, EngineConfig(kv=Q8, max_context=window)), req)[0]
+    cache = [RollingQuantized(Q8, window, ROLLING_KEEP) for _ in make_prompt_cache(lm.model)]
+    prompt, ref = render_prompt(lm.tokenizer, req), []
+    logits = lm.model(mx.array([prompt]), cache=cache)
+    for _ in range(n):
+        ref.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = lm.model(mx.array([ref[-1:]]), cache=cache)
+    assert len(prompt) + n > window + 20 and got == ref
+    assert got != reference(lm, Q8, prompt, n)  # the window moved: not what the whole history gives
+
+
 def test_launch_stack_serves_4_bit_kv_over_http(models, paths):
     lm = models["llama"][0]
     body = {"messages": [{"role": "user", "content": "tell me a story"}], "temperature": 0, "max_tokens": 12,
