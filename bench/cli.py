@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import agent_loop, batch, cache, distributed, gpu, gpu_batch, joint, overhead, sched
+from bench import agent_loop, batch, cache, distributed, gpu, gpu_batch, joint, memory, overhead, sched
 from bench.distill import cli as distill
 
 
@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (each starts what it measures)")
     benches = b.add_subparsers(dest="bench", required=True)
-    for module in (overhead, batch, joint, sched, gpu, gpu_batch, cache, agent_loop, distributed):
+    for module in (overhead, batch, joint, sched, gpu, gpu_batch, cache, agent_loop, distributed, memory):
         module.add_command(benches)
     distill.add_commands(sub)
     return p

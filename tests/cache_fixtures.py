@@ -59,9 +59,10 @@ def reuse_engine(lm: LoadedModel, service: CacheServiceProcess, draft: Optional[
     overrides the identity's template (what a changed template does to the identity)."""
     draft_id = f"{draft.model_id}@{draft.revision}" if draft else None
     ident_lm = lm if chat_template is None else LoadedModel(**{**lm.__dict__, "chat_template": chat_template})
-    reuse = PrefixCache.connect(service.endpoint, cache_identity(ident_lm, draft_id), lm, draft.model if draft else None,
-                                str(spill_dir) if spill_dir else None)
-    return Engine(lm, EngineConfig(**config), draft, reuse=reuse)
+    config = EngineConfig(**config)
+    reuse = PrefixCache.connect(service.endpoint, cache_identity(ident_lm, draft_id, config.kv), lm,
+                                draft.model if draft else None, str(spill_dir) if spill_dir else None)
+    return Engine(lm, config, draft, reuse=reuse)
 
 
 def chat(messages: list[tuple[str, str]], n: int = 10, **kw) -> m.GenerateRequest:

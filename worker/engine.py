@@ -29,6 +29,7 @@ from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
 from worker.grammar import Compiler, Grammar, GrammarInvalid
 from worker.joint.sampling import make_key_fn
+from worker.kvformat import NATIVE, KVFormat
 from worker.loader import LoadedModel
 from worker.residency import empty_weights
 from worker.sampling import SamplingInvalid, sampling_for
@@ -47,6 +48,7 @@ class EngineConfig:
     decision_log: Optional[str] = None  # adaptive: JSON lines of every budget decision
     recovery: str = "fast"  # "fast" (per-position states) or "replay" (the kept tokens fed again)
     kv_budget: Optional[int] = None  # bytes the admitted requests' caches may take at most; None: memory.default_budget
+    kv: KVFormat = NATIVE  # the target's attention KV (--kv-bits, --kv-group-size); the draft's stays native
     max_context: Optional[int] = None  # tokens of prompt and answer at most (None: the model's limit)
     context_overflow: str = "refuse"  # a request past it, unless it asks otherwise (worker/context.py)
     defaults: m.SamplingDefaults = field(default_factory=m.SamplingDefaults)  # for omitted sampling fields
@@ -81,9 +83,10 @@ class _Totals:
         self.joint = CycleStats()  # summed over released joint requests
 
 
-def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None) -> str:
-    """Identity under which cached state is valid (per-request thinking mode is mixed in later)."""
-    parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft"]
+def cache_identity(lm: LoadedModel, draft_id: Optional[str] = None, kv: KVFormat = NATIVE) -> str:
+    """Identity under which cached state is valid (per-request thinking mode is mixed in later):
+    the target's KV format among it, so no snapshot is restored into another format."""
+    parts = [lm.revision, lm.chat_template or "", lm.quantization, draft_id or "no-draft", f"kv={kv.name}"]
     if lm.sharding:  # a distributed group's shards: world size and how the model is split
         parts.append(lm.sharding)
     if lm.adapter:  # a LoRA adapter changes every state the weights make
@@ -114,7 +117,7 @@ class Engine:
         self.totals = _Totals()
         self.scheduler = Scheduler(config.draft_budget, config.max_round_budget, config.decision_log)
         self.runner = self._make_runner()
-        self.cache_cost = memory.cache_cost(lm.model)
+        self.cache_cost = memory.cache_cost(lm.model, config.kv)
         self.draft_cost = memory.cache_cost(draft.model) if draft else memory.CacheCost(0, 0)
         self.kv_budget = config.kv_budget or memory.default_budget(
             memory.weights_bytes(lm.model) + (memory.weights_bytes(draft.model) if draft else 0))
@@ -133,7 +136,7 @@ class Engine:
     def _make_runner(self) -> BatchRunner:
         draft = self.draft.model if self.draft else None
         return BatchRunner(self.lm.model, draft, self.config.prefill_step, self.config.recovery,
-                           fast_draft.where_it_runs(draft) if draft is not None else None)
+                           fast_draft.where_it_runs(draft) if draft is not None else None, self.config.kv)
 
     # ---- any thread ----
 

@@ -14,6 +14,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from worker.kvformat import NATIVE, KVFormat
+
 # rows decoded at once: a GPU's aggregate tokens/s still grows at 64 rows; on the CPU 16 rows
 # already space each stream's tokens ~180 ms apart (docs/benchmarks.md, "bench gpu-batch", "bench batch")
 MAX_ACTIVE = {"gpu": 64, "cpu": 16}
@@ -33,14 +35,16 @@ class CacheCost:
         return CacheCost(self.per_token + other.per_token, self.fixed + other.fixed)
 
 
-def cache_cost(model) -> CacheCost:
-    """Measured on a one-token forward of a fresh cache."""
+def cache_cost(model, kv: KVFormat = NATIVE) -> CacheCost:
+    """Measured on a one-token forward of a fresh cache; attention KV counted in format `kv`
+    (quantized: packed bits and a scale and bias a group)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     per_token = fixed = 0
     for c in cache:
         if isinstance(c, KVCache) and c.keys is not None:
-            per_token += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size
+            heads, size = c.keys.shape[1], c.keys.dtype.size
+            per_token += heads * (kv.bytes_per_position(c.keys.shape[3], size) + kv.bytes_per_position(c.values.shape[3], size))
         elif isinstance(c, ArraysCache):
             fixed += sum(a.nbytes for a in c.cache if a is not None)
     return CacheCost(per_token, fixed)

@@ -33,6 +33,7 @@ from protocol.schema import message_text
 from worker import faults, memory
 from worker.defaults import resolve as resolve_defaults
 from worker.engine import Engine, EngineConfig, RequestError, cache_identity
+from worker.kvformat import attention_shapes, format_problem, kv_format
 from worker.loader import EMBEDDED, AdapterError, LoadedModel, PairingError, load_draft, load_model
 from worker.residency import Residency
 from worker.state.reuse import PrefixCache
@@ -115,7 +116,7 @@ class WorkerProc:
     def ready_message(self) -> m.Ready:
         return m.Ready(
             process="worker", pid=self.pid, model_id=self.lm.model_id,
-            cache_identity=cache_identity(self.lm, self.engine.draft_id), context_limit=self.engine.context_limit,
+            cache_identity=cache_identity(self.lm, self.engine.draft_id, self.engine.config.kv), context_limit=self.engine.context_limit,
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
             thinks=self.engine.think is not None, max_thinking_tokens=self.engine.config.max_thinking_tokens,
@@ -305,6 +306,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--adapter-path", default=None, help="a LoRA adapter (mlx-lm's format) on the model")
     p.add_argument("--max-context", type=int, default=None, help="tokens a request may fill (default: the model's)")
     p.add_argument("--context-overflow", choices=get_args(m.ContextOverflow), default="refuse")
+    p.add_argument("--kv-bits", type=int, default=None, help="quantize the attention KV to these bits (4 or 8)")
+    p.add_argument("--kv-group-size", type=int, default=None, help="values sharing a scale and bias (default 64)")
     return p.parse_args(argv)
 
 
@@ -324,7 +327,11 @@ def run_worker(argv: list[str] | None = None) -> int:
         except PairingError as e:
             log.error("cannot pair draft %s with %s: %s", args.draft, lm.model_id, e)
             return 3
-    engine = build_engine(args, lm, draft)
+    try:
+        engine = build_engine(args, lm, draft)
+    except ValueError as e:  # a KV format the flags or the model refuse
+        log.error("%s", e)
+        return 3
     problem = context_problem(args, lm.context_limit, engine)
     if problem:
         log.error("%s", problem)
@@ -348,15 +355,20 @@ def engine_config(args: argparse.Namespace, log_decisions: bool = True) -> Engin
                         decision_log=args.decision_log if log_decisions else None, kv_budget=args.kv_budget,
                         prefill_step=args.prefill_step or memory.default_prefill_step(),
                         max_context=args.max_context, context_overflow=args.context_overflow,
-                        defaults=sampling_defaults(args), max_thinking_tokens=args.max_thinking_tokens)
+                        defaults=sampling_defaults(args), max_thinking_tokens=args.max_thinking_tokens,
+                        kv=kv_format(args.kv_bits, args.kv_group_size))
 
 
 def build_engine(args: argparse.Namespace, lm: LoadedModel, draft: Optional[LoadedModel],
                  make: Callable[[LoadedModel, EngineConfig, Optional[LoadedModel]], Engine] = Engine,
                  log_decisions: bool = True) -> Engine:
     """The one engine builder of the worker and of every rank: `make` is the engine's kind
-    (a rank's leader or follower, bound to its link)."""
-    return make(lm, engine_config(args, log_decisions), draft)
+    (a rank's leader or follower, bound to its link). ValueError: a KV format the model refuses."""
+    config = engine_config(args, log_decisions)
+    problem = format_problem(config.kv, attention_shapes(lm.model))
+    if problem:
+        raise ValueError(problem)
+    return make(lm, config, draft)
 
 
 def sampling_defaults(args: argparse.Namespace) -> m.SamplingDefaults:
@@ -369,7 +381,8 @@ def _prefix_cache(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Loa
     if not all(PrefixCache.supports(x.model) for x in (lm, draft) if x is not None):
         log.warning("this model's cache cannot be snapshotted: serving without prefix reuse")
         return None
-    return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), cache_identity(lm, draft_id), lm,
+    identity = cache_identity(lm, draft_id, kv_format(args.kv_bits, args.kv_group_size))
+    return PrefixCache.connect(runtime.endpoint(args.runtime_dir, runtime.CACHE), identity, lm,
                                draft.model if draft else None, args.cache_dir)
 
 

@@ -21,6 +21,7 @@ from worker.batch import drafts as dr
 from worker.batch import select
 from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advance
 from worker.batch.slotbatch import SlotBatch
+from worker.kvformat import NATIVE, KVFormat
 from worker.prefill_cost import PrefillCost, default_bound_s
 from worker.joint.sampling import make_key_fn
 from worker.round import CycleReport, Paid, RoundInput, RoundReport, RowState, SetApart
@@ -75,13 +76,15 @@ class BatchRunner:
     """The batch of rows over a target (and a draft): `join`, `leave`, `prefill`, `states`,
     `decode`. No sockets and no scheduler: the engine plans each round's drafts."""
 
-    def __init__(self, target, draft=None, prefill_step: int = 512, recovery: str = "fast", draft_forward=None):
+    def __init__(self, target, draft=None, prefill_step: int = 512, recovery: str = "fast", draft_forward=None,
+                 kv: KVFormat = NATIVE):
+        """`kv`: the target's attention KV format; the draft's stays native (docs/memory.md, "Quantized KV")."""
         if recovery not in ("fast", "replay"):
             raise ValueError("recovery must be fast or replay")
         for model in (target, draft):  # fast recovery's recording (on a CUDA GPU, its kernel too)
             if model is not None:
                 install_recording(model)
-        self.target = SlotBatch(target)
+        self.target = SlotBatch(target, kv=kv)
         self.draft = SlotBatch(draft, draft_forward) if draft is not None else None
         self.prefill_step, self.recovery = prefill_step, recovery
         self.cost = PrefillCost(prefill_step, default_bound_s())  # each round's chunk by its cost (worker/prefill_cost.py)

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from worker.batch.slots import KVView, Rolling, SlotArrays, SlotKV, Span, StateView
+from worker.batch.slots import Rolling, SlotArrays, SlotKV, Span, StateView
+from worker.kvformat import NATIVE, KVFormat
 
 Forward = Callable[[mx.array, list], mx.array]  # (tokens [B, W], caches) -> logits [B, W, V]
 
@@ -23,14 +24,15 @@ class UnsupportedCache(ValueError):
     """The model keeps a kind of cache the slots cannot hold."""
 
 
-def slot_layers(model) -> list:
-    """A slot cache for each of the model's cache layers, by mlx-lm's own `make_prompt_cache`."""
+def slot_layers(model, kv: KVFormat = NATIVE) -> list:
+    """A slot cache for each of the model's cache layers, by mlx-lm's own `make_prompt_cache`;
+    attention layers keep their keys and values in format `kv`."""
     out = []
     for c in make_prompt_cache(model):
         if type(c) is KVCache:
-            out.append(SlotKV())
+            out.append(SlotKV(fmt=kv))
         elif isinstance(c, RotatingKVCache) and c.keep == 0:
-            out.append(SlotKV(window=c.max_size))
+            out.append(SlotKV(window=c.max_size, fmt=kv))
         elif isinstance(c, ArraysCache):
             out.append(SlotArrays(len(c.cache)))
         else:
@@ -52,10 +54,10 @@ class Forwarded:
 
 
 class SlotBatch:
-    def __init__(self, model, forward: Optional[Forward] = None):
-        self.model = model
+    def __init__(self, model, forward: Optional[Forward] = None, kv: KVFormat = NATIVE):
+        self.model, self.kv = model, kv
         self.run = forward or (lambda tokens, cache: model(tokens, cache=cache))
-        self.layers = slot_layers(model)
+        self.layers = slot_layers(model, kv)
         self.lengths: dict[str, int] = {}  # tokens each row's caches hold
         self.order: list[str] = []  # rows by slot, as wanted
         self._held: list[str] = []  # rows by slot, as the arrays hold them
@@ -116,7 +118,7 @@ class SlotBatch:
         fresh = {i: self._fresh[rid] for i, rid in enumerate(self.order) if rid in self._fresh}
         for e, layer in enumerate(self.layers):
             if isinstance(layer, SlotKV):
-                _move_kv(layer, moves, len(self.order))
+                layer.move_rows(moves, len(self.order))
                 for i, cache in fresh.items():
                     if cache is not None:
                         layer.put(i, cache[e], self.lengths[self.order[i]])
@@ -139,7 +141,7 @@ class SlotBatch:
         rolling = [self.rolling.get(r) for r in ids] if self.rolling else None
         for layer in self.layers:
             if isinstance(layer, SlotKV):
-                views.append(KVView(layer, span, pos, rolling if layer.window is None else None))
+                views.append(layer.view(span, pos, rolling if layer.window is None else None))
             else:
                 rows = layer.rows(span)
                 before.append(rows)
@@ -204,7 +206,8 @@ class SlotBatch:
     # ---- rows as mlx-lm caches (snapshots) ----
 
     def row_cache(self, rid: str) -> list:
-        """A copy of a row's state as mlx-lm caches (KVCache, ArraysCache) holding its length."""
+        """A copy of a row's state as mlx-lm caches (KVCache or QuantizedKVCache, ArraysCache)
+        holding its length."""
         self.settle()
         slot, n = self.order.index(rid), self.lengths[rid]
         out = []
@@ -222,7 +225,7 @@ class SlotBatch:
         out = []
         for layer in self.layers:
             if isinstance(layer, SlotKV):
-                out += [a for a in (layer.keys, layer.values) if a is not None]
+                out += layer.parts()
             else:
                 out += [a for a in layer.arrays if a is not None]
         return out
@@ -230,16 +233,6 @@ class SlotBatch:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
-
-
-def _move_kv(layer: SlotKV, moves: list[tuple[int, int]], slots: int) -> None:
-    if layer.keys is None or not moves:
-        return
-    layer.reserve(slots, 0)
-    dst = mx.array([d for d, _ in moves])
-    src = mx.array([s for _, s in moves])
-    layer.keys[dst] = layer.keys[src]
-    layer.values[dst] = layer.values[src]
 
 
 def _arrays(cache: Optional[list], i: int) -> Optional[list]:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache
+
+from worker.kvformat import NATIVE, KVFormat
 
 STEP = 256  # positions a slab grows by
 CAUSAL_FROM = 32  # narrower forwards (a verify) get an array mask: a "causal" one may take a path built per shape
@@ -65,78 +67,93 @@ FAR = 1 << 30  # a reach no position attains: a row without a window
 
 class SlotKV:
     """One attention layer's keys and values for every slot. `window`: a sliding-window layer
-    (mlx-lm's RotatingKVCache); the slab keeps every position and the mask hides the old ones."""
+    (mlx-lm's RotatingKVCache); the slab keeps every position and the mask hides the old ones.
+    `fmt`: how they are kept; a quantized slab is three parts (packed, scales, biases), each
+    [slots, heads, capacity, n], written and moved alike."""
 
-    def __init__(self, window: Optional[int] = None):
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
-        self.window = window
+    def __init__(self, window: Optional[int] = None, fmt: KVFormat = NATIVE):
+        self.keys: Optional[list[mx.array]] = None  # the parts: [slab], or [packed, scales, biases]
+        self.values: Optional[list[mx.array]] = None
+        self.window, self.fmt = window, fmt
 
-    def reserve(self, slots: int, positions: int, like: Optional[tuple[mx.array, mx.array]] = None) -> None:
-        """Room for `slots` rows of `positions` each (grown, never shrunk; `like` gives the shape
-        and dtype of the first arrays)."""
+    def reserve(self, slots: int, positions: int, like: Optional[tuple[list, list]] = None) -> None:
+        """Room for `slots` rows of `positions` each (grown, never shrunk; `like` gives the parts'
+        shapes and dtypes of the first arrays)."""
         if self.keys is None:
             if like is None:
                 return
-            k, v = like
-            self.keys = mx.zeros((slots, k.shape[1], _round(positions), k.shape[3]), k.dtype)
-            self.values = mx.zeros((slots, v.shape[1], _round(positions), v.shape[3]), v.dtype)
+            self.keys, self.values = ([mx.zeros((slots, p.shape[1], _round(positions), p.shape[3]), p.dtype) for p in ps]
+                                      for ps in like)
             return
-        s, h, cap, d = self.keys.shape
-        if positions > cap:
-            grow = _round(positions) - cap
-            self.keys = mx.concatenate([self.keys, mx.zeros((s, h, grow, d), self.keys.dtype)], axis=2)
-            self.values = mx.concatenate([self.values, mx.zeros((s, self.values.shape[1], grow, self.values.shape[3]),
-                                                                self.values.dtype)], axis=2)
-        if slots > self.keys.shape[0]:  # rows grow by doubling: a join does not copy the slab each time
-            extra = max(slots, 2 * self.keys.shape[0]) - self.keys.shape[0]
-            self.keys = mx.concatenate([self.keys, mx.zeros((extra, *self.keys.shape[1:]), self.keys.dtype)])
-            self.values = mx.concatenate([self.values, mx.zeros((extra, *self.values.shape[1:]), self.values.dtype)])
+        if positions > self.keys[0].shape[2]:
+            grow = _round(positions) - self.keys[0].shape[2]
+            self.keys, self.values = ([mx.concatenate([p, mx.zeros((p.shape[0], p.shape[1], grow, p.shape[3]), p.dtype)],
+                                                      axis=2) for p in ps] for ps in (self.keys, self.values))
+        if slots > self.keys[0].shape[0]:  # rows grow by doubling: a join does not copy the slab each time
+            extra = max(slots, 2 * self.keys[0].shape[0]) - self.keys[0].shape[0]
+            self.keys, self.values = ([mx.concatenate([p, mx.zeros((extra, *p.shape[1:]), p.dtype)]) for p in ps]
+                                      for ps in (self.keys, self.values))
+
+    def parts(self) -> list[mx.array]:
+        return [] if self.keys is None else self.keys + self.values
 
     def write(self, span: Span, offsets: mx.array, keys: mx.array, values: mx.array) -> None:
         """Each row's W new positions at its own length."""
         w = keys.shape[2]
-        self.reserve(span.stop, max(span.lengths) + w, (keys, values))
+        new_k, new_v = self.fmt.encode(keys), self.fmt.encode(values)
+        self.reserve(span.stop, max(span.lengths) + w, (new_k, new_v))
         if span.even:
             n = span.lengths[0]
-            self.keys[span.start: span.stop, :, n: n + w, :] = keys
-            self.values[span.start: span.stop, :, n: n + w, :] = values
+            for part, new in zip(self.parts(), new_k + new_v):
+                part[span.start: span.stop, :, n: n + w, :] = new
             return
         rows = mx.arange(span.start, span.stop)[:, None]
         pos = offsets[:, None] + mx.arange(w)[None]
-        self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)
-        self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
+        for part, new in zip(self.parts(), new_k + new_v):
+            part[rows, :, pos] = new.transpose(0, 2, 1, 3)
 
-    def fetch(self, span: Span, upto: int) -> tuple[mx.array, mx.array]:
-        return self.keys[span.start: span.stop, :, :upto, :], self.values[span.start: span.stop, :, :upto, :]
+    def fetch(self, span: Span, upto: int) -> tuple:
+        """The rows' keys and values up to `upto`: arrays, or (packed, scales, biases) tuples."""
+        k, v = ([p[span.start: span.stop, :, :upto, :] for p in ps] for ps in (self.keys, self.values))
+        return (k[0], v[0]) if not self.fmt.quantized else (tuple(k), tuple(v))
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        if self.keys is None or length == 0:
+    def move_rows(self, moves: list[tuple[int, int]], slots: int) -> None:
+        """Rows to other slots at once: (dst, src) pairs."""
+        if self.keys is None or not moves:
             return
-        self.keys[dst: dst + 1, :, :length, :] = self.keys[src: src + 1, :, :length, :]
-        self.values[dst: dst + 1, :, :length, :] = self.values[src: src + 1, :, :length, :]
+        self.reserve(slots, 0)
+        dst = mx.array([d for d, _ in moves])
+        src = mx.array([s for _, s in moves])
+        for part in self.parts():
+            part[dst] = part[src]
 
-    def row(self, slot: int, length: int) -> KVCache:
-        """A copy of a row as mlx-lm's KVCache (a snapshot's form)."""
-        c = KVCache()
+    def row(self, slot: int, length: int):
+        """A copy of a row as mlx-lm's KVCache, or QuantizedKVCache (a snapshot's form)."""
+        c = self.fmt.empty_cache()
         if self.keys is not None and length:
-            c.keys = mx.array(self.keys[slot: slot + 1, :, :length, :])
-            c.values = mx.array(self.values[slot: slot + 1, :, :length, :])
+            k, v = ([mx.array(p[slot: slot + 1, :, :length, :]) for p in ps] for ps in (self.keys, self.values))
+            c.keys, c.values = (k[0], v[0]) if not self.fmt.quantized else (tuple(k), tuple(v))
             c.offset = length
         return c
 
-    def put(self, slot: int, c: KVCache, length: int) -> None:
-        """A row from mlx-lm's KVCache holding at least `length` positions."""
+    def put(self, slot: int, c, length: int) -> None:
+        """A row from an mlx-lm cache of this slab's format holding at least `length` positions."""
         if c.keys is None or length == 0:
             return
-        k, v = c.keys[..., :length, :], c.values[..., :length, :]
+        if not self.fmt.holds(c):
+            raise ValueError(f"a {type(c).__name__} cannot restore a row of {self.fmt.name} KV")
+        k, v = ([a[..., :length, :] for a in ([x] if not self.fmt.quantized else list(x))] for x in (c.keys, c.values))
         self.reserve(slot + 1, length, (k, v))
-        self.keys[slot: slot + 1, :, :length, :] = k
-        self.values[slot: slot + 1, :, :length, :] = v
+        for part, new in zip(self.parts(), k + v):
+            part[slot: slot + 1, :, :length, :] = new
+
+    def view(self, span: Span, offsets: mx.array, rolling: Optional[list[Optional["Rolling"]]] = None) -> "KVView":
+        """The view a forward of these rows passes the model (quantized: mlx-lm's quantized attention)."""
+        return (QuantizedKVView if self.fmt.quantized else KVView)(self, span, offsets, rolling)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(p.nbytes for p in self.parts())
 
 
 def _round(n: int) -> int:
@@ -180,6 +197,19 @@ class KVView:
 
     def is_trimmable(self) -> bool:
         return False
+
+
+class QuantizedKVView(KVView):
+    """A KVView over a quantized slab: `bits` and `group_size` send mlx-lm's attention to its
+    quantized path, which reads the (packed, scales, biases) tuples update_and_fetch returns."""
+
+    @property
+    def bits(self) -> int:
+        return self.slab.fmt.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.slab.fmt.group_size
 
 
 class SlotArrays:

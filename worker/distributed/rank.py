@@ -79,7 +79,12 @@ def run_rank(argv: list[str]) -> int:
         return 3
     link = Link(group)
     kind = LeaderEngine if rank == 0 else FollowerEngine
-    engine = build_engine(args, lm, draft, lambda lm, config, draft: kind(lm, config, draft, link), log_decisions=rank == 0)
+    try:
+        engine = build_engine(args, lm, draft, lambda lm, config, draft: kind(lm, config, draft, link),
+                              log_decisions=rank == 0)
+    except ValueError as e:  # a KV format the flags or the model refuse
+        log.error("%s", e)
+        return 3
     engine.runner.cost.bound = None  # ranks timing their own chunks would feed different ones: --prefill-step
     ranks = gather(group, RankInfo(rank, os.getpid(), socket.gethostname(), engine.kv_budget))
     engine.kv_budget = min(r.kv_budget for r in ranks)  # admission must be the same on every rank
@@ -104,7 +109,7 @@ def _prefix_cache(args: argparse.Namespace, lm, draft, engine, link: Link) -> Op
     if args.cache_dir:
         log.warning("a group keeps its snapshots in memory: --cache-dir is not used")
     store = SnapshotStore(None)
-    identity = cache_identity(lm, engine.draft_id)
+    identity = cache_identity(lm, engine.draft_id, engine.config.kv)
     if link.rank:
         return PrefixCache(identity, lm, draft.model if draft else None, FollowerClient(link), store)
     client = LeaderClient(CacheClient(runtime.endpoint(args.runtime_dir, runtime.CACHE), store), link)

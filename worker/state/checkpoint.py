@@ -16,7 +16,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from worker.kernels import gdn as gdn_kernel
@@ -108,6 +108,9 @@ def cache_arrays(cache: list) -> list[mx.array]:
         if isinstance(c, KVCache):
             if c.keys is not None:
                 out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        elif isinstance(c, QuantizedKVCache):  # packed, scales, biases: their bytes are what it holds
+            if c.keys is not None:
+                out += [a[..., : c.offset, :] for a in (*c.keys, *c.values)]
         else:
             out += [a for a in c.cache if a is not None]
     return out

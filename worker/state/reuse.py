@@ -23,7 +23,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Optional
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from protocol import messages as m
 from worker.cache_client import CacheClient
@@ -211,4 +211,4 @@ class PrefixCache:
 
 def _holds(cache: list, n: int) -> bool:
     """Every attention layer holds n tokens (recurrent state carries no count to check)."""
-    return all(c.offset == n for c in cache if isinstance(c, KVCache))
+    return all(c.offset == n for c in cache if isinstance(c, (KVCache, QuantizedKVCache)))

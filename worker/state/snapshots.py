@@ -30,16 +30,18 @@ from typing import Optional
 
 import mlx.core as mx
 import msgspec
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from protocol import messages as m
+from worker.kvformat import KVFormat
 
 log = logging.getLogger("verity.worker")
 FORMAT = "verity-snapshot-2"  # 2: the checksum covers the header too
 SUFFIX = ".safetensors"
 
-# per layer: ("kv", (keys, values)) with the valid range only, or ("arrays", (conv, state)); None
-# where a recurrent slot was never written
+# per layer: ("kv", (keys, values)) with the valid range only; quantized KV as its format's name
+# (worker/kvformat.py, "q4g64") with (packed, scales, biases) of the keys, then of the values; or
+# ("arrays", (conv, state)), None where a recurrent slot was never written
 State = list[tuple[str, tuple]]
 
 
@@ -49,6 +51,9 @@ def capture(cache: list) -> State:
         if isinstance(c, KVCache):
             arrays = () if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
             out.append(("kv", tuple(mx.array(a) for a in arrays)))
+        elif isinstance(c, QuantizedKVCache):
+            arrays = () if c.keys is None else tuple(a[..., : c.offset, :] for a in (*c.keys, *c.values))
+            out.append((KVFormat(c.bits, c.group_size).name, tuple(mx.array(a) for a in arrays)))
         else:
             out.append(("arrays", tuple(None if a is None else mx.array(a) for a in c.cache)))
     mx.eval(arrays_of(out))
@@ -59,12 +64,14 @@ def restore(state: State, length: int) -> list:
     """A new cache holding the state's first `length` tokens (only KV can be cut back)."""
     cache, copies = [], []
     for kind, arrays in state:
-        if kind == "kv":
-            c = KVCache()
+        if kind != "arrays":
+            c = KVFormat.parse("native" if kind == "kv" else kind).empty_cache()
             if arrays:
-                c.keys, c.values = (mx.array(a[..., :length, :]) for a in arrays)
+                parts = [mx.array(a[..., :length, :]) for a in arrays]
+                half = len(parts) // 2
+                c.keys, c.values = (parts[0], parts[1]) if kind == "kv" else (tuple(parts[:half]), tuple(parts[half:]))
                 c.offset = length
-                copies += [c.keys, c.values]
+                copies += parts
         else:
             c = ArraysCache(len(arrays))
             c.cache = list(arrays)
@@ -78,7 +85,7 @@ def arrays_of(state) -> list[mx.array]:
 
 
 def trimmable(cache: list) -> bool:
-    return all(isinstance(c, KVCache) for c in cache)
+    return all(isinstance(c, (KVCache, QuantizedKVCache)) for c in cache)
 
 
 @dataclass
