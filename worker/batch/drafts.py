@@ -20,7 +20,8 @@ from worker.joint.sampling import token_probs
 from worker.sampling import process
 
 CATCH_UP_LAG = 4  # a draft lagging more tokens than this first feeds them in a forward of their own
-STEPS_BYTES = 1 << 30  # a round keeps its draft's states after each forward while they take at most this
+STEPS_BYTES = max(1 << 30, mx.device_info().get("memory_size", 0) // 32)  # a round keeps its draft's
+# states after each forward while they take at most this (1 GiB, or 1/32 of the device's memory)
 
 
 @dataclass

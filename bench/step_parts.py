@@ -1,0 +1,202 @@
+"""`python -m bench.step_parts`: where a round's time goes on a GPU, rows of equal or staggered
+lengths. For each (rows, stagger, k) it plays rounds twice: free (each round's wall time, as
+served) and split (a wait after each part: the draft's proposals, the target's forward, the
+commit, the draft's recovery; the rest is the host's). Then attention alone on the slab: the
+mask and the write each row at its own length needs, against one slice and no mask.
+Prints a JSON line per measurement, every round's time in it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+from worker.backend_env import apply
+
+
+def _ms(xs: list[float]) -> dict:
+    xs = [round(x * 1000, 2) for x in xs]
+    return {"median": statistics.median(xs) if xs else None, "all": xs}
+
+
+class Split:
+    """Wraps a batch's forward and commit and the draft module's propose and recover with a wait
+    after each, adding up each part's seconds."""
+
+    def __init__(self, runner, drafts_module):
+        import mlx.core as mx
+
+        self.mx, self.parts, self.on, self.depth = mx, defaultdict(float), False, 0
+        self._wrap(runner.target, "forward", "target_forward", lambda f: [f.logits])
+        self._wrap(runner.target, "commit", "target_commit", lambda _: runner.target.arrays())
+        if runner.draft is not None:
+            self._wrap(runner.draft, "forward", "draft_forward", lambda f: [f.logits])
+            self._wrap(runner.draft, "commit", "draft_commit", lambda _: runner.draft.arrays())
+            self._wrap(drafts_module, "recover", "draft_recover", lambda _: runner.draft.arrays())
+
+    def _wrap(self, owner, name: str, part: str, outputs) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **kw):
+            if not self.on or self.depth:  # a part inside a part (a recovery's forward) counts once
+                return inner(*a, **kw)
+            self.mx.synchronize()
+            t0, self.depth = time.perf_counter(), 1
+            try:
+                out = inner(*a, **kw)
+                self.mx.eval(outputs(out))
+                self.mx.synchronize()
+            finally:
+                self.depth = 0
+            self.parts[part] += time.perf_counter() - t0
+            return out
+
+        setattr(owner, name, timed)
+
+
+def rounds(runner, planner, n: int, split: Split, on: bool) -> tuple[list[float], dict]:
+    import mlx.core as mx
+
+    from worker.batch.runner import play
+
+    split.on, split.parts = on, defaultdict(float)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        play(runner, planner, lambda rid: 100_000)
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    split.on = False
+    return times, {k: round(v * 1000 / n, 2) for k, v in split.parts.items()}
+
+
+def cell(runner, split: Split, k: int, warm: int, timed: int) -> dict:
+    from bench.gpu_shapes import Fixed
+
+    planner = Fixed([k])
+    rounds(runner, planner, warm, split, False)
+    free, _ = rounds(runner, planner, timed, split, False)
+    spl, parts = rounds(runner, planner, timed, split, True)
+    total = statistics.median(spl) * 1000
+    parts["host_and_rest"] = round(total - sum(parts.values()), 2)
+    lengths = sorted(runner.target.lengths.values())
+    return {"k": k, "rows": len(lengths), "lengths": [lengths[0], lengths[-1]],
+            "free_ms": _ms(free), "split_ms": _ms(spl), "parts_ms_per_round": parts}
+
+
+def builds(runner, reps: int = 10) -> dict:
+    """Host time to build one forward's graph (no evaluation) and the time to evaluate it, for the
+    target and the draft over the decoding rows at width 1 (nothing committed: no row changes)."""
+    import mlx.core as mx
+
+    ids = runner.decoding()
+    out = {}
+    for name, batch in (("target", runner.target), ("draft", runner.draft)):
+        build, run = [], []
+        for _ in range(reps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            f = batch.forward(ids, mx.zeros((len(ids), 1), mx.uint32), [1] * len(ids))
+            t1 = time.perf_counter()
+            mx.eval(f.logits)
+            mx.synchronize()
+            build.append(t1 - t0)
+            run.append(time.perf_counter() - t1)
+        out[name] = {"build_ms": _ms(build[2:]), "eval_ms": _ms(run[2:])}
+    return out
+
+
+def attention(rows: int, length: int, heads: int, kv_heads: int, dim: int, repeats: int) -> list[dict]:
+    """The slab's attention and writes alone: one layer, `repeats` calls a measurement."""
+    import mlx.core as mx
+
+    from worker.batch.slots import KVView, SlotKV, Span
+
+    out = []
+    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    kv = mx.random.normal((rows, kv_heads, 1, dim)).astype(mx.bfloat16)
+    for stagger in (0, 1):
+        lengths = tuple(length + stagger * 7 * i for i in range(rows))
+        slab = SlotKV()
+        slab.reserve(rows, max(lengths) + 64, ([kv], [kv]))
+        mx.eval(slab.parts())
+        span = Span(0, rows, lengths, (1,) * rows)
+        view = KVView(slab, span, mx.array(lengths))
+        for what in ("write", "mask", "sdpa", "all"):
+            times = []
+            for _ in range(repeats):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                if what == "write":
+                    slab.write(span, view.offset, kv, kv)
+                    mx.eval(slab.parts())
+                elif what == "mask":
+                    mx.eval(mx.array(0) if view.make_mask(1) is None else view.make_mask(1))
+                else:
+                    k, v = view.update_and_fetch(kv, kv) if what == "all" else slab.fetch(span, view.upto)
+                    mask = view.make_mask(1)
+                    mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=mask))
+                mx.synchronize()
+                times.append(time.perf_counter() - t0)
+            out.append({"attention": what, "rows": rows, "stagger": bool(stagger), "length": length,
+                        "ms": _ms(times[repeats // 4:])})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ns", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4])
+    p.add_argument("--stagger", type=int, nargs="+", default=[0, 37], help="row i's prompt is 'prompt + i * stagger'")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--warm", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--attention", action="store_true", help="also time one attention layer's parts alone")
+    a = p.parse_args()
+    apply()
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    from bench import gpu_models as gb
+    from bench.gpu_batch import _prompts
+    from worker.batch import drafts as dr
+    from worker.batch.rows import Row
+    from worker.batch.runner import BatchRunner
+    from worker.joint.sampling import make_key_fn
+    from worker.kernels import fast_draft
+    from worker.sampling import RowSampling
+
+    tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
+    if a.small:
+        tcfg.update(gb.SMALL)
+        dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
+    target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
+    runner = BatchRunner(target, draft, 2048, draft_forward=fast_draft.where_it_runs(draft))
+    split = Split(runner, dr)
+    with mx.stream(generation_stream):
+        base = _prompts(1, a.prompt + max(a.ns) * max(a.stagger), tcfg["vocab_size"])[0]
+        runner.warm(base, 9)
+        for n in a.ns:
+            for stagger in a.stagger:
+                ids = [f"n{n}s{stagger}r{i}" for i in range(n)]
+                for i, rid in enumerate(ids):
+                    runner.join(Row(rid, base[: a.prompt + i * stagger], RowSampling(), make_key_fn(0), joint=True))
+                while runner.prefill_next():
+                    runner.prefill()
+                for k in a.ks:
+                    print(json.dumps({"n": n, "stagger": stagger, **cell(runner, split, k, a.warm, a.rounds)}), flush=True)
+                runner.draft.arrange(set(runner.decoding()))
+                print(json.dumps({"n": n, "stagger": stagger, "forward": builds(runner)}), flush=True)
+                for rid in ids:
+                    runner.leave(rid)
+        heads, kvh, dim = tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["head_dim"]
+        for n in a.ns if a.attention else []:
+            for line in attention(n, a.prompt + 64, heads, kvh, dim, 24):
+                print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
