@@ -134,7 +134,9 @@ async def create(request: web.Request) -> web.StreamResponse:
                 first = await _queued(t)
                 if isinstance(first, m.Error):
                     return _refuse(t.id, first.status, first.message, first.code, first.param)
-                if not isinstance(first, m.Queued):  # a Finished "cancelled": it was stopped before it was queued
+                # Queued is a request's first event (worker/proc.py): a Finished first is the worker's
+                # answer to a cancel that came before the job (its client left, or the server drains)
+                if not isinstance(first, m.Queued):
                     return _refuse(t.id, 503, "the request was cancelled before it started", "cancelled")
                 shaper.queued(first)
                 if not req.stream:

@@ -100,6 +100,7 @@ def _n_params(model) -> int:
 
 # (request id, prompt) -> the draft's chooser and the verify's acceptor (benchmarks: acceptance by construction)
 Controls = Callable[[str, list[int]], tuple[Optional[Chooser], Optional[Acceptor]]]
+Announce = Callable[[m.Queued], None]  # sends a request's Queued event (worker/proc.py: to the outbox)
 
 
 class Engine:
@@ -144,8 +145,10 @@ class Engine:
         """Tokenizes and queues a request; returns its prompt length or raises RequestError."""
         return self.queue(request_id, req).prompt_tokens
 
-    def queue(self, request_id: str, req: m.GenerateRequest) -> m.Queued:
-        """submit, answered with the Queued event the gateway gets (whether it starts thinking)."""
+    def queue(self, request_id: str, req: m.GenerateRequest, announce: Optional[Announce] = None) -> m.Queued:
+        """submit, answered with the Queued event the gateway gets (whether it starts thinking).
+        `announce` gets that event under the lock that hands the request to the step: it goes out
+        before any of the request's events, whichever thread runs first (a step's go out after it)."""
         if req.mode == "joint" and self.draft is None:
             raise RequestError("joint_unavailable", "`mode` \"joint\" needs a draft model; this server has none "
                                "(start launch-stack with --draft)", param="mode")
@@ -167,9 +170,11 @@ class Engine:
         plan = self.reuse.plan(req, prompt) if self.reuse else None
         grammar = self._grammar(req)
         inside = req.messages is not None and thinking.starts_inside(self.think, prompt)
+        queued = m.Queued(request_id, len(prompt), inside)
         self._enqueue(QueuedRequest(request_id, req, prompt, time.perf_counter(), plan=plan, grammar=grammar,
-                                    thinking=inside, dropped=(fitted.dropped_messages, fitted.dropped_tokens)))
-        return m.Queued(request_id, len(prompt), inside)
+                                    thinking=inside, dropped=(fitted.dropped_messages, fitted.dropped_tokens)),
+                      lambda: announce(queued) if announce else None)
+        return queued
 
     def _render(self, req: m.GenerateRequest) -> list[int]:
         try:
@@ -182,11 +187,13 @@ class Engine:
             raise RequestError("invalid_prompt", "the prompt is empty after tokenization", param="prompt")
         return prompt
 
-    def _enqueue(self, r: QueuedRequest) -> None:
-        """Queues a checked request (a distributed group's rank 0 stages it for every rank)."""
+    def _enqueue(self, r: QueuedRequest, announce: Callable[[], None]) -> None:
+        """Queues a checked request (a distributed group's rank 0 stages it for every rank);
+        `announce` runs under the lock the step takes it with."""
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise RequestError("queue_full", "the worker's waiting line is full", status=429)
+            announce()
             self._waiting.append(r)
             self.totals.requests += 1
             self._lock.notify()

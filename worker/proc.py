@@ -189,18 +189,20 @@ class WorkerProc:
             elif not self.engine.grammars.ready(job.request):  # compiled on the pool, then queued
                 self.compiles.submit(self._submit_compiled, job)
             else:
-                self.outbox.put(m.EventBatch(self.pid, [self._submit(job)]))
+                self._submit(job)
+
+    def _send(self, event) -> None:
+        self.outbox.put(m.EventBatch(self.pid, [event]))
 
     def _submit_compiled(self, job: m.SubmitRequest) -> None:
         """A job whose grammar compiles first (on a pool thread): its verdict once compiled."""
         t0 = time.perf_counter()
         try:
-            event = self._submit(job)
+            self._submit(job)
             log.info("[%s] grammar compiled for it in %.2fs on a pool thread", job.request_id, time.perf_counter() - t0)
         except Exception as e:  # a failure here must still answer the job, or it waits forever
             log.exception("[%s] grammar compile failed", job.request_id)
-            event = m.Error(job.request_id, "generation_failed", f"the grammar failed to compile: {e}", 500)
-        self.outbox.put(m.EventBatch(self.pid, [event]))
+            self._send(m.Error(job.request_id, "generation_failed", f"the grammar failed to compile: {e}", 500))
 
     def _long_jobs_loop(self) -> None:
         while not self.stopping.is_set():
@@ -208,8 +210,10 @@ class WorkerProc:
                 job = self.long_jobs.get(timeout=POLL_MS / 1000)
             except queue.Empty:
                 continue
-            self.outbox.put(m.EventBatch(self.pid, [self._tokenize(job) if isinstance(job, m.TokenizeJob)
-                                                    else self._submit(job)]))
+            if isinstance(job, m.TokenizeJob):
+                self._send(self._tokenize(job))
+            else:
+                self._submit(job)
 
     def _tokenize(self, job: m.TokenizeJob):
         """/tokenize and /detokenize: the Tokens, or an Error naming what the model cannot take."""
@@ -220,27 +224,28 @@ class WorkerProc:
         except Exception as e:  # a template may raise on odd conversations
             return m.Error(job.request_id, "invalid_prompt", f"the prompt could not be rendered: {e}", 400, "messages")
 
-    def _submit(self, job: m.SubmitRequest):
-        """The job's first event: Queued, an Error, or Finished "cancelled" when its cancel came first."""
+    def _submit(self, job: m.SubmitRequest) -> None:
+        """Sends the job's first event: Queued, an Error, or Finished "cancelled" when its cancel came
+        first. Queued goes out as the engine takes the job, so none of the job's events overtakes it."""
         rid = job.request_id
         with self._known:
             if self.early.take(rid):
                 log.info("[%s] cancelled before its job arrived", rid)
-                return m.Finished(rid, "cancelled", m.RequestMetrics(mode=job.request.mode))
+                return self._send(m.Finished(rid, "cancelled", m.RequestMetrics(mode=job.request.mode)))
         try:
             self._check_length(job.request)
             faults.before_submit(prompt_bytes(job.request) > LONG_PROMPT_BYTES)
-            queued = self.engine.queue(rid, job.request)
+            queued = self.engine.queue(rid, job.request, announce=self._send)
+            faults.after_queue()
         except RequestError as e:
             log.info("[%s] refused: %s", rid, e.code)
-            return m.Error(rid, e.code, e.message, e.status, e.param)
+            return self._send(m.Error(rid, e.code, e.message, e.status, e.param))
         with self._known:
             self.origins[rid] = job.gateway_pid
             if self.early.take(rid):  # it came while the prompt was tokenized
                 log.info("[%s] cancel (it came while the job was tokenized)", rid)
                 self.engine.cancel(rid)
         log.info("[%s] queued: %d prompt tokens%s", rid, queued.prompt_tokens, ", thinking" if queued.thinking else "")
-        return queued
 
     def _check_length(self, req: m.GenerateRequest) -> None:
         """Refuses, without tokenizing, a prompt too long for the context at any tokenization."""

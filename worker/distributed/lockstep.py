@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 
@@ -93,12 +93,13 @@ class LeaderEngine(GroupEngine):
         snapshot.ranks = self.ranks
         return snapshot
 
-    def _enqueue(self, r: QueuedRequest) -> None:
+    def _enqueue(self, r: QueuedRequest, announce: Callable[[], None]) -> None:
         if r.req.seed is None:  # every rank samples the request with the same keys
             r.req = msgspec.structs.replace(r.req, seed=secrets.randbits(63))
         with self._lock:
             if len(self._waiting) + len(self._staged) >= self.config.max_waiting:
                 raise RequestError("queue_full", "the worker's waiting line is full", status=429)
+            announce()
             self._staged.append(r)
             self.totals.requests += 1
             self._lock.notify()
@@ -169,7 +170,8 @@ class FollowerEngine(GroupEngine):
             self._cancels.update(msg.cancels)
         self.scheduler.drafting = msg.drafting
 
-    def _enqueue(self, r: QueuedRequest) -> None:
+    def _enqueue(self, r: QueuedRequest, announce: Callable[[], None]) -> None:
         with self._lock:  # rank 0 checked the room
+            announce()
             self._waiting.append(r)
             self.totals.requests += 1
