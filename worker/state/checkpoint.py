@@ -19,6 +19,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+from worker.kernels import conv as conv_kernel
 from worker.kernels import gdn as gdn_kernel
 
 
@@ -47,7 +48,7 @@ class RecordingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = nn.silu(self.conv1d(conv_input))
+        conv_out = conv_kernel.conv_silu(self.conv1d, conv_input, nn.silu)
         q, k, v = [
             t.reshape(B, S, h, d)
             for t, h, d in zip(
