@@ -6,6 +6,7 @@ admission and the snapshot budget count quantized bytes, and launch-stack serves
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -21,7 +22,7 @@ from joint_fixtures import Schedule, first_divergence, greedy, run_engine
 from protocol import messages as m
 from stack import Stack
 from worker.engine import Engine, EngineConfig, RequestError
-from worker.kvformat import NATIVE, KVFormat
+from worker.kvformat import ATTEND_ENV, ATTEND_FORMS, NATIVE, KVFormat, attend
 from worker.loader import load_model
 from worker.state.checkpoint import install_recording
 from worker.text import render_prompt
@@ -73,9 +74,16 @@ def gap(lm, fmt: KVFormat, prefix: list[int]) -> float:
     return top[1] - top[0]
 
 
+@pytest.fixture(params=ATTEND_FORMS)
+def form(request, monkeypatch):
+    """Each way attention reads a quantized slab (worker/kvformat.attend)."""
+    monkeypatch.setenv(ATTEND_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("fmt", [Q4, Q8, KVFormat(4, 32)], ids=lambda f: f.name)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_batch_decodes_as_mlx_lms_quantized_cache(models, arch, fmt):
+def test_the_batch_decodes_as_mlx_lms_quantized_cache(models, arch, fmt, form):
     lm = models[arch][0]
     reqs = {f"r{i}": greedy(t, N_TOKENS, mode="baseline") for i, t in enumerate(PROMPTS[:3])}
     got = run_engine(Engine(lm, EngineConfig(max_active=3, prefill_step=16, kv=fmt)), reqs)
@@ -87,7 +95,7 @@ def test_the_batch_decodes_as_mlx_lms_quantized_cache(models, arch, fmt):
 
 @pytest.mark.parametrize("recovery", ["fast", "replay"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_joint_equals_greedy_baseline_under_quantized_kv(models, arch, recovery):
+def test_greedy_joint_equals_greedy_baseline_under_quantized_kv(models, arch, recovery, form):
     """Joint rows of one batch drafting by a schedule (every verify width, plain rounds between),
     their draft's KV native, the target's 4-bit: each output is the 4-bit baseline's."""
     target, draft = models[arch]
@@ -104,6 +112,12 @@ def test_greedy_joint_equals_greedy_baseline_under_quantized_kv(models, arch, re
             assert gap(target, Q4, prompt + base[f"r{i}"][:j]) < NEAR_TIE, (text, j)
     s = eng.totals.joint
     assert s.drafted > 0 and 0 < s.accepted < s.drafted and s.rollbacks > 0
+
+
+def test_an_unknown_attention_form_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(ATTEND_ENV, "fused")
+    with pytest.raises(ValueError, match=f"{ATTEND_ENV}='fused': expected one of quantized, dequantized"):
+        attend()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -220,10 +234,13 @@ def test_launch_stack_serves_4_bit_kv_over_http(models, paths):
 @pytest.mark.parametrize("flags, says", [
     (("--kv-bits", "4", "--kv-group-size", "128"), "does not divide this model's attention head_dim (64)"),
     (("--kv-group-size", "64"), "--kv-group-size needs --kv-bits"),
-    (("--kv-bits", "3"), "--kv-bits: invalid choice: 3")])
+    (("--kv-bits", "3"), "--kv-bits: invalid choice: 3"),
+    (("--kv-bits", "4", f"{ATTEND_ENV}=fused"), f"{ATTEND_ENV}='fused': expected one of quantized, dequantized")])
 def test_a_kv_format_the_server_cannot_give_stops_the_start(paths, flags, says):
+    env = dict(os.environ, **dict(f.split("=", 1) for f in flags if "=" in f))
     run = subprocess.run([sys.executable, "-m", "cli.launch", "--model", str(paths["llama"][0]), "--port", "0",
-                          "--cache-bytes", "0", *flags], capture_output=True, text=True, timeout=300)
+                          "--cache-bytes", "0", *(f for f in flags if "=" not in f)], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert run.returncode != 0 and says in run.stderr, run.stderr[-2000:]
 
 

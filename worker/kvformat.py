@@ -6,12 +6,15 @@ scale and a bias per `group_size` values of the head dim, as mlx-lm's QuantizedK
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+ATTEND_ENV = "VERITY_KV_ATTEND"  # "quantized" or "dequantized": overrides `attend()`'s choice
+ATTEND_FORMS = ("quantized", "dequantized")
 BITS = (4, 8)  # what --kv-bits takes (mx.quantize allows more; the issue names these)
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize takes
 
@@ -61,6 +64,20 @@ class KVFormat:
 NATIVE = KVFormat()
 
 
+def attend() -> str:
+    """How attention reads a quantized slab: "quantized" (mlx-lm's quantized attention, matmuls on
+    the packed values) on Metal, whose kernels fuse the unpacking; elsewhere "dequantized" (the
+    fetched range unpacked to the model's dtype, one layer at a time, then MLX's fused attention):
+    MLX's CUDA backend has no quantized matmul for a prefill's scores, and on the CPU the unpacked
+    form prefilled 4-6x and decoded 1.1-1.5x faster (docs/memory.md)."""
+    form = os.environ.get(ATTEND_ENV)
+    if form is not None:
+        if form not in ATTEND_FORMS:
+            raise ValueError(f"{ATTEND_ENV}={form!r}: expected one of {', '.join(ATTEND_FORMS)}")
+        return form
+    return "quantized" if mx.metal.is_available() else "dequantized"
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """One attention layer's cache: kv heads, key and value head dims, the dtype's bytes."""
@@ -97,6 +114,10 @@ def format_problem(fmt: KVFormat, shapes: list[AttentionShape]) -> Optional[str]
     """Why this model's attention caches cannot take the format (None: they can)."""
     if not fmt.quantized:
         return None
+    try:
+        attend()
+    except ValueError as e:
+        return str(e)
     dims = sorted({d for s in shapes for d in (s.key_dim, s.value_dim)})
     if any(d % fmt.group_size for d in dims):
         return (f"--kv-group-size {fmt.group_size} does not divide this model's attention head_dim "

@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from worker.kvformat import NATIVE, KVFormat
+from worker.kvformat import NATIVE, KVFormat, attend
 
 STEP = 256  # positions a slab grows by
 CAUSAL_FROM = 32  # narrower forwards (a verify) get an array mask: a "causal" one may take a path built per shape
@@ -148,8 +148,10 @@ class SlotKV:
             part[slot: slot + 1, :, :length, :] = new
 
     def view(self, span: Span, offsets: mx.array, rolling: Optional[list[Optional["Rolling"]]] = None) -> "KVView":
-        """The view a forward of these rows passes the model (quantized: mlx-lm's quantized attention)."""
-        return (QuantizedKVView if self.fmt.quantized else KVView)(self, span, offsets, rolling)
+        """The view a forward of these rows passes the model (quantized: in the form `attend()` chose)."""
+        if not self.fmt.quantized:
+            return KVView(self, span, offsets, rolling)
+        return (QuantizedKVView if attend() == "quantized" else DequantizedKVView)(self, span, offsets, rolling)
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +212,16 @@ class QuantizedKVView(KVView):
     @property
     def group_size(self) -> int:
         return self.slab.fmt.group_size
+
+
+class DequantizedKVView(KVView):
+    """A KVView over a quantized slab that hands attention the fetched range unpacked to the
+    model's dtype (one layer's at a time), so MLX's fused attention reads it."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fmt = self.slab.fmt
+        k, v = super().update_and_fetch(keys, values)
+        return tuple(mx.dequantize(*x, group_size=fmt.group_size, bits=fmt.bits) for x in (k, v))
 
 
 class SlotArrays:
