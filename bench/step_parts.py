@@ -145,6 +145,36 @@ def attention(rows: int, length: int, heads: int, kv_heads: int, dim: int, repea
     return out
 
 
+def check_rows(draft, rows: int) -> dict:
+    """The draft's rows path (fast_draft.forward_rows) with its kernels against its ops, on the
+    device, over three one-token steps of `rows` rows at staggered lengths: the worst relative error."""
+    import mlx.core as mx
+
+    from worker.batch.slotbatch import SlotBatch
+    from worker.kernels import fast_draft
+
+    fast = fast_draft.narrow_forward(draft)
+    ops = (lambda x, c: fast_draft.forward_rows(draft, x, c, fast.layers, kernel=False)
+           if x.shape[1] == 1 else draft(x, cache=c))
+    ids, widths = [f"c{i}" for i in range(rows)], [40 + 9 * i for i in range(rows)]
+    batches = [SlotBatch(draft, fast), SlotBatch(draft, ops)]
+    worst = 0.0
+    for b in batches:
+        for rid in ids:
+            b.add(rid)
+        b.arrange(set(ids))
+        b.commit(b.forward(ids, mx.array([[(7 * i + j) % 1000 + 1 for j in range(max(widths))] for i in range(rows)]),
+                           widths), widths)
+    for n in range(3):
+        x = mx.array([[(31 * n + 11 * i) % 1000 + 1] for i in range(rows)])
+        got, want = (b.forward(ids, x, [1] * rows) for b in batches)
+        for b, f in zip(batches, (got, want)):
+            b.commit(f, [1] * rows)
+        err = mx.abs(got.logits.astype(mx.float32) - want.logits.astype(mx.float32)).max() / mx.abs(want.logits).max()
+        worst = max(worst, err.item())
+    return {"rows": rows, "rows_path_kernels_vs_ops_worst_relative_error": worst}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ns", type=int, nargs="+", default=[8, 32])
@@ -154,6 +184,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--check-rows", type=int, nargs="*", default=[], help="check the draft's rows path at these row counts")
     p.add_argument("--attention", action="store_true", help="also time one attention layer's parts alone")
     a = p.parse_args()
     apply()
@@ -176,6 +207,8 @@ def main() -> None:
     target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
     runner = BatchRunner(target, draft, 2048, draft_forward=fast_draft.where_it_runs(draft))
     split = Split(runner, dr)
+    for rows in a.check_rows:
+        print(json.dumps(check_rows(draft, rows)), flush=True)
     with mx.stream(generation_stream):
         base = _prompts(1, a.prompt + max(a.ns) * max(a.stagger), tcfg["vocab_size"])[0]
         runner.warm(base, 9)

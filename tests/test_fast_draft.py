@@ -109,3 +109,41 @@ def test_the_one_launch_step_is_prepared_only_where_cuda_runs():
     m = gb.build(dict(gb.DRAFT_08B, **dict(gb.SMALL, head_dim=256), full_attention_interval=2), mx.float32, 4)
     forward = fast_draft.narrow_forward(m, persistent=True)  # the sublayer path applies ...
     assert forward is not None and (forward.one is not None) == dk.available(mx.float32)  # ... the one-launch step on CUDA only
+
+
+def _batch_step(batch, ids, x, widths):
+    f = batch.forward(ids, x, widths)
+    batch.commit(f, widths)
+    return f
+
+
+@pytest.mark.parametrize("rows", [3, dk.MAX_T + 2])
+def test_a_batch_draft_step_of_many_rows_computes_mlx_lms_forward(model, rows, monkeypatch):
+    """Rows of one token each at their own lengths (the batch's draft steps), some of width 0
+    (a row past its draft length): the rows' path (padded to dk.MAX_T rows, or the gemvs' ops
+    past it) gives mlx-lm's logits and leaves the same caches."""
+    from worker.batch.slotbatch import SlotBatch
+
+    calls = []
+    real = fast_draft.forward_rows
+    monkeypatch.setattr(fast_draft, "forward_rows", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    ids = [f"r{i}" for i in range(rows)]
+    ref, fast = SlotBatch(model), SlotBatch(model, fast_draft.narrow_forward(model))
+    widths = [4 + 3 * i for i in range(rows)]
+    prompt = mx.array([[(7 * i + 5 * j) % 4000 + 1 for j in range(max(widths))] for i in range(rows)])
+    for b in (ref, fast):
+        for rid in ids:
+            b.add(rid)
+        b.arrange(set(ids))
+        _batch_step(b, ids, prompt, widths)
+    for n, live in enumerate(([1] * rows, [1, 0] * (rows // 2) + [1] * (rows % 2), [1] * rows)):
+        x = mx.array([[(31 * n + 11 * i) % 4000 + 1] for i in range(rows)])
+        want, got = _batch_step(ref, ids, x, live), _batch_step(fast, ids, x, live)
+        for i in (i for i in range(rows) if live[i]):
+            scale = mx.abs(want.logits[i]).max().item()
+            assert mx.abs(got.logits[i] - want.logits[i]).max().item() <= 1e-4 * scale, (n, i)
+        span = ref.span(ids)
+        for a, b in zip(sum(fast.recurrent_rows(span), []), sum(ref.recurrent_rows(span), []), strict=True):
+            assert a.shape == b.shape and mx.abs(a - b).max().item() <= 1e-4 * max(1.0, mx.abs(b).max().item())
+        assert ref.lengths == fast.lengths
+    assert calls == [(rows, 1)] * 3

@@ -173,6 +173,16 @@ _GDN = """
   }
 """
 _GDN = gdn.with_qk_norm(_GDN)
+# the same for B sequences at once (grid y: the sequence), each at its own offset of every array
+_GDN_ROWS = _GDN.replace("  const int hv = blockIdx.x, hk = hv / (Hv / Hk);\n", """  const int hv = blockIdx.x, hk = hv / (Hv / Hk);
+  const size_t vb = blockIdx.y;
+  const auto* p = p_rows + vb * T * P;
+  const auto* conv_state = conv_rows + vb * 3 * C;
+  const auto* state = state_rows + vb * Hv * Dv * Dk;
+  auto* y = y_rows + vb * T * VD;
+  auto* conv_out = conv_out_rows + vb * 3 * C;
+  auto* state_out = state_out_rows + vb * Hv * Dv * Dk;
+""", 1)
 
 _kernels: dict = {}
 _scalars: dict = {}
@@ -249,6 +259,30 @@ def gdn_step(p: mx.array, conv_state: mx.array, conv_w: mx.array, A_log: mx.arra
                       grid=(Hv * 32 * GDN_WARPS, 1, 1), threadgroup=(32 * GDN_WARPS, 1, 1),
                       output_shapes=[(T, Hv * Dv), conv_state.shape, state.shape],
                       output_dtypes=[p.dtype, conv_state.dtype, state.dtype]))
+
+
+def gdn_step_rows(p: mx.array, conv_state: mx.array, conv_w: mx.array, A_log: mx.array, dt_bias: mx.array,
+                  state: mx.array, norm_w: mx.array, eps: float, dims: tuple[int, int, int, int],
+                  kernel: bool = True) -> tuple[mx.array, mx.array, mx.array]:
+    """`gdn_step` for B sequences of T tokens each, in one launch: p [B, T, P], conv_state [B, 3, C],
+    state [B, Hv, Dv, Dk] float32; returns ([B, T, Hv·Dv], [B, 3, C], [B, Hv, Dv, Dk])."""
+    if not kernel:
+        outs = [gdn_step_ops(p[b], conv_state[b], conv_w, A_log, dt_bias, state[b], norm_w, eps, dims)
+                for b in range(p.shape[0])]
+        return tuple(mx.stack(x) for x in zip(*outs))
+    Hk, Dk, Hv, Dv = dims
+    B, T, P = p.shape
+    if "gdn_rows" not in _kernels:
+        _kernels["gdn_rows"] = _kernel("verity_gdn_rows", ["p_rows", "conv_rows", "conv_w", "A_log", "dt_bias",
+                                                           "state_rows", "norm_w", "eps"],
+                                       ["y_rows", "conv_out_rows", "state_out_rows"], _GDN_ROWS)
+    return tuple(_kernels["gdn_rows"](
+        inputs=[p, conv_state, conv_w, A_log, dt_bias, state, norm_w, _scalar(eps)],
+        template=[("OutT", p.dtype), ("T", T), ("P", P), ("Hk", Hk), ("Dk", Dk), ("Hv", Hv), ("Dv", Dv),
+                  ("WARPS", GDN_WARPS)],
+        grid=(Hv * 32 * GDN_WARPS, B, 1), threadgroup=(32 * GDN_WARPS, 1, 1),
+        output_shapes=[(B, T, Hv * Dv), conv_state.shape, state.shape],
+        output_dtypes=[p.dtype, conv_state.dtype, state.dtype]))
 
 
 def gdn_step_ops(p, conv_state, conv_w, A_log, dt_bias, state, norm_w, eps, dims):

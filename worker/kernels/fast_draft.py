@@ -137,6 +137,72 @@ def forward(model, inputs: mx.array, cache: list, layers: list[_Layer], kernel: 
     return dk.gemv(h, head, norm.weight, norm.eps, kernel=kernel)[None]
 
 
+def _rows_eligible(inputs: mx.array, cache: Optional[list]) -> bool:
+    """Several sequences of one token each (a batch's draft step) on the batch's views: attention
+    caches of any kind, recurrent ones holding a state and not recording."""
+    if cache is None or inputs.ndim != 2 or inputs.shape[0] < 2 or inputs.shape[1] != 1:
+        return False
+    for c in cache:
+        if hasattr(c, "update_and_fetch"):
+            continue
+        if not isinstance(c, ArraysCache) or getattr(c, "record", False) or c[0] is None or c[1] is None \
+                or c.left_padding is not None:
+            return False
+    return True
+
+
+def _gdn_rows(g, w: _Layer, h: mx.array, R: int, c: ArraysCache, kernel: bool, gemv_kernel: bool) -> mx.array:
+    """A Gated-DeltaNet layer over R one-token rows (h: [R or padded, H]); rows of width 0 in
+    `c.lengths` keep their state."""
+    p = dk.gemv(h, w.in_w, w.ln1, w.eps, kernel=gemv_kernel)[:R]
+    y, conv, state = dk.gdn_step_rows(p[:, None], c[0], w.conv_w, g.A_log, g.dt_bias, c[1], g.norm.weight,
+                                      g.norm.eps, w.dims, kernel=kernel)
+    if c.lengths is not None:
+        live = c.lengths > 0
+        conv, state = mx.where(live[:, None, None], conv, c[0]), mx.where(live[:, None, None, None], state, c[1])
+    c[0], c[1] = conv.astype(c[0].dtype), state.astype(c[1].dtype)
+    return dk.gemv(_pad(y.reshape(R, -1), h.shape[0]), g.out_proj.weight, res=h, kernel=gemv_kernel)
+
+
+def _attention_rows(a, w: _Layer, h: mx.array, R: int, c, kernel: bool) -> mx.array:
+    """An attention layer over R one-token rows at their own offsets (the batch's KV view)."""
+    q, k, v = (dk.gemv(h, m.weight, w.ln1, w.eps, kernel=kernel)[:R] for m in (a.q_proj, a.k_proj, a.v_proj))
+    queries, gate = mx.split(q.reshape(R, 1, a.num_attention_heads, -1), 2, axis=-1)
+    queries = a.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = a.k_norm(k.reshape(R, 1, a.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = v.reshape(R, 1, a.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    queries, keys = a.rope(queries, offset=c.offset), a.rope(keys, offset=c.offset)
+    mask = create_attention_mask(queries.transpose(0, 2, 1, 3), c)
+    keys, values = c.update_and_fetch(keys, values)
+    out = scaled_dot_product_attention(queries, keys, values, cache=c, scale=a.scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(R, -1) * mx.sigmoid(gate.reshape(R, -1))
+    return dk.gemv(_pad(out, h.shape[0]), a.o_proj.weight, res=h, kernel=kernel)
+
+
+def _pad(x: mx.array, rows: int) -> mx.array:
+    return x if x.shape[0] == rows else mx.concatenate([x, mx.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
+
+
+def forward_rows(model, inputs: mx.array, cache: list, layers: list[_Layer], kernel: bool) -> mx.array:
+    """Logits [R, 1, V] of R sequences' one token each on the batch's views. Up to dk.MAX_T rows
+    the stream is padded to dk.MAX_T rows, so each gemv kernel compiles once for every row count
+    (padded rows compute garbage nobody reads); more rows take the gemvs' ops."""
+    text, R = model.language_model, inputs.shape[0]
+    rows = dk.MAX_T if R <= dk.MAX_T else R
+    h = text.model.embed_tokens(_pad(inputs, rows)).reshape(rows, -1)
+    kernel_gemv = kernel and rows == dk.MAX_T
+    for layer, w, c in zip(model.layers, layers, cache):
+        if layer.is_linear:
+            h = _gdn_rows(layer.linear_attn, w, h, R, c, kernel, kernel_gemv)
+        else:
+            h = _attention_rows(layer.self_attn, w, h, R, c, kernel_gemv)
+        m = dk.gemv(h, w.gate_up, w.ln2, w.eps, swiglu=True, kernel=kernel_gemv)
+        h = dk.gemv(m, w.down, res=h, kernel=kernel_gemv)
+    norm = text.model.norm
+    head = text.model.embed_tokens.weight if text.args.tie_word_embeddings else text.lm_head.weight
+    return dk.gemv(h, head, norm.weight, norm.eps, kernel=kernel_gemv)[:R, None]
+
+
 class NarrowForward:
     """A Qwen3.5 draft's forward: narrow forwards of one sequence take the kernels' path (see the
     module's note), the rest the model's own. `persistent`: the one-launch step where it applies
@@ -147,6 +213,8 @@ class NarrowForward:
         self.one = persistent_draft.prepare(model, layers) if persistent and dk.available(layers[0].ln1.dtype) else None
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        if _rows_eligible(inputs, cache):
+            return forward_rows(self.model, inputs, cache, self.layers, dk.available(self.layers[0].ln1.dtype))
         if not _eligible(inputs, cache, self.widest):
             return self.model(inputs, cache=cache)
         if self.one is not None and persistent_draft.eligible(cache, inputs.shape[1]):
