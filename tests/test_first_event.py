@@ -7,11 +7,16 @@ overtaken its Queued. Here the jobs thread is held after each queueing
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import socket
 
 import aiohttp
 import pytest
 
-from stack import Stack
+from reliability import stack_pids
+from stack import Stack, until
 
 HELD_S = 0.3  # far longer than a one-token request's step on the tiny model
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -66,3 +71,30 @@ async def test_a_request_ended_before_its_announcement_is_answered(stack, path, 
         tokens = _prompt_tokens(path, json.loads(text))
     assert tokens > 0, text
     assert f"[{rid}] cancel" not in stack.log()  # nothing stopped it: the server cancels no waiting request
+
+
+async def test_a_request_ended_before_its_announcement_leaves_no_origin_behind(tiny_llama):
+    """The worker keeps each running request's gateway, to cancel what a dead gateway left. A
+    request that ended before the worker recorded it used to stay in that table for good: a later
+    gateway found it there and "cancelled" it. Now the new gateway finds none."""
+    s = Stack(str(tiny_llama), env={"VERITY_FAULT_AFTER_QUEUE_DELAY_S": str(HELD_S)}, port=_free_port()).start()
+    with s:
+        for path in BODIES:
+            status, _, text = await _post(s, path, False)
+            assert status == 200, text
+        gateway = stack_pids(s.proc.pid)["gateway"]
+        os.kill(gateway, signal.SIGKILL)
+        took_over = re.compile(r"gateway (\d+) took over: (\d+) requests of gone gateways cancelled")
+        await until(lambda: any(int(g) != gateway for g, _ in took_over.findall(s.log())), 30,
+                    "the restarted gateway to take over from the killed one")
+        assert [n for g, n in took_over.findall(s.log()) if int(g) != gateway] == ["0"], s.log()[-3000:]
+        assert "is gone" not in s.log()
+        status, _, text = await _post(s, "/v1/chat/completions", False)
+        assert status == 200, text
+    assert s.exit_code == 0, s.log()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

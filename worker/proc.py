@@ -99,6 +99,7 @@ class WorkerProc:
         self.origins: dict[str, int] = {}  # request id -> pid of the gateway that submitted it
         self.stopping = threading.Event()
         self.early = EarlyCancels()
+        self.ended_early = EarlyCancels()  # requests that ended before _submit recorded their origin
         self.long_jobs: queue.Queue = queue.Queue()  # jobs whose prompts take long to tokenize
         self.compiles = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")  # jobs whose grammar is new
         self._known = threading.Lock()  # orders a job's arrival against its cancel
@@ -161,10 +162,16 @@ class WorkerProc:
             events = self.engine.step()
             if events:
                 self.outbox.put(m.EventBatch(self.pid, events))
-                for ev in events:
-                    if isinstance(ev, (m.Finished, m.Error)):
-                        self.origins.pop(ev.request_id, None)
+                self._forget([ev.request_id for ev in events if isinstance(ev, (m.Finished, m.Error))])
             faults.after_step()
+
+    def _forget(self, ended: list[str]) -> None:
+        """Ended requests leave `origins`; one whose job is still being recorded is remembered, so
+        _submit does not record an origin nothing would remove."""
+        with self._known:
+            for rid in ended:
+                if self.origins.pop(rid, None) is None:
+                    self.ended_early.remember(rid)
 
     def _received(self, name: str, dec: codec.Decoder, what: str) -> Iterator:
         """The messages that arrive on a PULL socket until the worker stops; undecodable ones are
@@ -241,7 +248,8 @@ class WorkerProc:
             log.info("[%s] refused: %s", rid, e.code)
             return self._send(m.Error(rid, e.code, e.message, e.status, e.param))
         with self._known:
-            self.origins[rid] = job.gateway_pid
+            if not self.ended_early.take(rid):
+                self.origins[rid] = job.gateway_pid
             if self.early.take(rid):  # it came while the prompt was tokenized
                 log.info("[%s] cancel (it came while the job was tokenized)", rid)
                 self.engine.cancel(rid)
@@ -261,10 +269,11 @@ class WorkerProc:
     def _control_loop(self) -> None:
         for msg in self._received(runtime.CONTROL, codec.control_decoder(), "control message"):
             if isinstance(msg, m.DropOrphans):
-                for rid, gateway in list(self.origins.items()):
-                    if gateway != msg.gateway_pid:
-                        log.info("[%s] cancel: its gateway (pid %d) is gone", rid, gateway)
-                        self.engine.cancel(rid)
+                orphans = [(rid, gateway) for rid, gateway in list(self.origins.items()) if gateway != msg.gateway_pid]
+                for rid, gateway in orphans:
+                    log.info("[%s] cancel: its gateway (pid %d) is gone", rid, gateway)
+                    self.engine.cancel(rid)
+                log.info("gateway %d took over: %d requests of gone gateways cancelled", msg.gateway_pid, len(orphans))
                 continue
             with self._known:
                 if msg.request_id not in self.origins:  # its job has not arrived (or it ended)
