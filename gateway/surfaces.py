@@ -66,7 +66,8 @@ class Surfaces:
         w = self.link.worker
         return None if w is None else {"pid": w.pid, "model": w.model_id, "draft_id": w.draft_id,
                                        "joint_available": w.joint_available, "context_limit": w.context_limit,
-                                       "thinks": w.thinks, "max_thinking_tokens": w.max_thinking_tokens}
+                                       "thinks": w.thinks, "max_thinking_tokens": w.max_thinking_tokens,
+                                       "kv_format": w.kv_format}
 
     async def info(self, request: web.Request) -> web.Response:
         w = self._worker() or {}
@@ -78,7 +79,7 @@ class Surfaces:
             "served_model_names": [w["model"], *self.aliases] if w else [],
             "defaults": msgspec.to_builtins(self.link.worker.defaults) if w else None,
             "thinks": w.get("thinks", False), "max_thinking_tokens": w.get("max_thinking_tokens"),
-            "model_state": self.model_state(),
+            "model_state": self.model_state(), "kv_format": w.get("kv_format"),
         })
 
     def model_state(self) -> Optional[str]:

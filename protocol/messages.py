@@ -237,6 +237,7 @@ class Ready(Struct, tag=True):
     max_active: int = 0  # a worker's: requests it decodes at once
     thinks: bool = False  # the model's chat template thinks (<think>...</think>, worker/thinking.py)
     max_thinking_tokens: Optional[int] = None  # the worker's default thinking budget (None: none)
+    kv_format: str = "native"  # the attention KV's format: "native" (the model's dtype) or e.g. "q4g64" (--kv-bits)
 
 
 class WorkerDown(Struct, tag=True):

@@ -225,6 +225,8 @@ def test_launch_stack_serves_4_bit_kv_over_http(models, paths):
     want = run_one(Engine(lm, EngineConfig(kv=Q4)), chat([("user", "tell me a story")], 12))[0]
     with Stack(str(paths["llama"][0]), "--kv-bits", "4", "--kv-group-size", "64") as s:
         answers = [post(s.url, body) for _ in range(2)]
+        info = json.loads(urllib.request.urlopen(s.url + "/v1/verity/info", timeout=30).read())
+    assert info["kv_format"] == "q4g64"
     assert s.exit_code == 0, s.log()
     assert answers[0]["choices"][0]["message"]["content"] == lm.tokenizer.decode(want)
     assert answers[1]["choices"][0]["message"]["content"] == answers[0]["choices"][0]["message"]["content"]

@@ -69,6 +69,7 @@ def test_config_file_values_apply_and_flags_override_them(stack, draft):
     assert status == 200 and info["ready"] and info["joint_available"]
     assert info["draft_id"].startswith(draft.name + "@")  # draft from the file
     assert info["max_tokens_cap"] == 128  # the flag beat the file's 64
+    assert info["kv_format"] == "native"  # no --kv-bits: the model's dtype
     assert get(stack.url + "/v1/verity/info")[0] == 401  # api-key from the file
 
 

@@ -121,6 +121,7 @@ class WorkerProc:
             joint_available=self.draft is not None, draft_id=self.engine.draft_id,
             defaults=self.engine.config.defaults, max_active=self.engine.config.max_active,
             thinks=self.engine.think is not None, max_thinking_tokens=self.engine.config.max_thinking_tokens,
+            kv_format=self.engine.config.kv.name,
         )
 
     def run(self) -> int:
