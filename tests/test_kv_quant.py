@@ -21,6 +21,7 @@ from conftest import FULL
 from joint_fixtures import Schedule, first_divergence, greedy, run_engine
 from protocol import messages as m
 from stack import Stack
+from worker.batch.slots import SlotKV
 from worker.engine import Engine, EngineConfig, RequestError
 from worker.kvformat import ATTEND_ENV, ATTEND_FORMS, NATIVE, KVFormat, attend
 from worker.loader import load_model
@@ -86,7 +87,10 @@ def form(request, monkeypatch):
 def test_the_batch_decodes_as_mlx_lms_quantized_cache(models, arch, fmt, form):
     lm = models[arch][0]
     reqs = {f"r{i}": greedy(t, N_TOKENS, mode="baseline") for i, t in enumerate(PROMPTS[:3])}
-    got = run_engine(Engine(lm, EngineConfig(max_active=3, prefill_step=16, kv=fmt)), reqs)
+    eng = Engine(lm, EngineConfig(max_active=3, prefill_step=16, kv=fmt))
+    got = run_engine(eng, reqs)
+    kinds = {x.view_kind.__name__ for x in eng.runner.target.layers if isinstance(x, SlotKV)}
+    assert kinds == {"QuantizedKVView" if form == "quantized" else "DequantizedKVView"}
     for rid, req in reqs.items():
         ref = reference(lm, fmt, render_prompt(lm.tokenizer, req), N_TOKENS)
         j = first_divergence(got[rid], ref)

@@ -75,6 +75,8 @@ class SlotKV:
         self.keys: Optional[list[mx.array]] = None  # the parts: [slab], or [packed, scales, biases]
         self.values: Optional[list[mx.array]] = None
         self.window, self.fmt = window, fmt
+        # how attention reads a quantized slab, chosen once (worker/kvformat.attend)
+        self.view_kind = KVView if not fmt.quantized else QuantizedKVView if attend() == "quantized" else DequantizedKVView
 
     def reserve(self, slots: int, positions: int, like: Optional[tuple[list, list]] = None) -> None:
         """Room for `slots` rows of `positions` each (grown, never shrunk; `like` gives the parts'
@@ -149,9 +151,7 @@ class SlotKV:
 
     def view(self, span: Span, offsets: mx.array, rolling: Optional[list[Optional["Rolling"]]] = None) -> "KVView":
         """The view a forward of these rows passes the model (quantized: in the form `attend()` chose)."""
-        if not self.fmt.quantized:
-            return KVView(self, span, offsets, rolling)
-        return (QuantizedKVView if attend() == "quantized" else DequantizedKVView)(self, span, offsets, rolling)
+        return self.view_kind(self, span, offsets, rolling)
 
     @property
     def nbytes(self) -> int:
