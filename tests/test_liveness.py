@@ -123,10 +123,10 @@ async def test_cancel_that_overtakes_its_job_stops_the_request(tiny_llama, relia
 
 
 def test_early_cancels_are_bounded_in_number_and_age():
-    from worker.proc import EarlyCancels
+    from worker.proc import EarlyIds
 
     now = [0.0]
-    early = EarlyCancels(limit=3, expiry_s=0.2, clock=lambda: now[0])
+    early = EarlyIds(limit=3, expiry_s=0.2, clock=lambda: now[0])
     for rid in "abcde":
         early.remember(rid)
     assert len(early) == 3 and not early.take("a") and early.take("e") and not early.take("e")

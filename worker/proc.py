@@ -5,7 +5,7 @@ The MLX thread (the main thread) runs only the engine loop. IO threads move byte
 (applied at once as a flag), events and stats out (the stats are the worker's heartbeat).
 
 A cancel can overtake its job (the jobs thread is busy tokenizing): one for a request not yet
-known is remembered (EarlyCancels) and applied when the job arrives. A prompt whose text is too
+known is remembered (EarlyIds) and applied when the job arrives. A prompt whose text is too
 long to fit the context even at the vocabulary's longest token is refused before tokenizing, and
 one over LONG_PROMPT_BYTES is tokenized on a thread of its own, so that long prompts never hold
 up short ones (the tokenizer releases the GIL).
@@ -51,8 +51,9 @@ LONG_PROMPT_BYTES = 16 << 10  # ~15 ms of tokenizing (SmolLM2's tokenizer: 600 K
 GRAMMAR_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))
 
 
-class EarlyCancels:
-    """Cancels for request ids whose job has not arrived: bounded in number and in age."""
+class EarlyIds:
+    """Request ids met before their job was recorded (a cancel that overtook it, or its end):
+    bounded in number and in age."""
 
     def __init__(self, limit: int = EARLY_CANCELS, expiry_s: float = EARLY_CANCEL_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -98,8 +99,8 @@ class WorkerProc:
         self.outbox: queue.Queue = queue.Queue()
         self.origins: dict[str, int] = {}  # request id -> pid of the gateway that submitted it
         self.stopping = threading.Event()
-        self.early = EarlyCancels()
-        self.ended_early = EarlyCancels()  # requests that ended before _submit recorded their origin
+        self.early = EarlyIds()  # cancels whose job has not arrived
+        self.ended_early = EarlyIds()  # requests that ended before _submit recorded their origin
         self.long_jobs: queue.Queue = queue.Queue()  # jobs whose prompts take long to tokenize
         self.compiles = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")  # jobs whose grammar is new
         self._known = threading.Lock()  # orders a job's arrival against its cancel

@@ -80,13 +80,16 @@ def _eligible(inputs: mx.array, cache: Optional[list], widest: int = dk.MAX_T) -
     one row) and recurrent ones without padding or recording."""
     if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1 or not 1 <= inputs.shape[1] <= widest:
         return False
-    for c in cache:
-        if hasattr(c, "update_and_fetch"):
-            continue
-        if not isinstance(c, ArraysCache) or getattr(c, "record", False) or c.lengths is not None \
-                or c.left_padding is not None:
-            return False
-    return True
+    return all(_takes(c, padded=False) for c in cache)
+
+
+def _takes(c, padded: bool) -> bool:
+    """Whether the kernels' path takes this cache: any attention cache; a recurrent one not recording
+    nor left-padded (`padded`: with rows of width 0 in `lengths`)."""
+    if hasattr(c, "update_and_fetch"):
+        return True
+    return isinstance(c, ArraysCache) and not getattr(c, "record", False) and c.left_padding is None \
+        and (padded or c.lengths is None)
 
 
 def _gdn(g, w: _Layer, x: mx.array, c: ArraysCache, kernel: bool) -> mx.array:
@@ -142,13 +145,8 @@ def _rows_eligible(inputs: mx.array, cache: Optional[list]) -> bool:
     caches of any kind, recurrent ones holding a state and not recording."""
     if cache is None or inputs.ndim != 2 or inputs.shape[0] < 2 or inputs.shape[1] != 1:
         return False
-    for c in cache:
-        if hasattr(c, "update_and_fetch"):
-            continue
-        if not isinstance(c, ArraysCache) or getattr(c, "record", False) or c[0] is None or c[1] is None \
-                or c.left_padding is not None:
-            return False
-    return True
+    return all(_takes(c, padded=True) and (hasattr(c, "update_and_fetch") or c[0] is not None and c[1] is not None)
+               for c in cache)
 
 
 def _gdn_rows(g, w: _Layer, h: mx.array, R: int, c: ArraysCache, kernel: bool, gemv_kernel: bool) -> mx.array:
@@ -172,7 +170,7 @@ def _attention_rows(a, w: _Layer, h: mx.array, R: int, c, kernel: bool) -> mx.ar
     keys = a.k_norm(k.reshape(R, 1, a.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = v.reshape(R, 1, a.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     queries, keys = a.rope(queries, offset=c.offset), a.rope(keys, offset=c.offset)
-    mask = create_attention_mask(queries.transpose(0, 2, 1, 3), c)
+    mask = create_attention_mask(h[:R, None], c)  # [R, 1, H]: one query a row
     keys, values = c.update_and_fetch(keys, values)
     out = scaled_dot_product_attention(queries, keys, values, cache=c, scale=a.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(R, -1) * mx.sigmoid(gate.reshape(R, -1))
