@@ -10,6 +10,8 @@ scheduler starts cold at the first timed repeat and is kept across the repeats, 
 its figure is every repeat's tokens over every repeat's time, probes included, and each repeat's
 drafted and accepted tokens are printed. Decode tokens/s count from the round where every row has
 its first token. The batched roofline: one step reads the weights once and each row's cache.
+`--fixed K...` adds every row joint at a fixed draft length (the ceiling any schedule could reach);
+`--log-dir` writes each joint configuration's decision log; stall rounds print their shape.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     rounds: list = field(default_factory=list)  # each timed round's seconds
+    shapes: list = field(default_factory=list)  # each timed round's (rows, widest draft, drafted tokens)
 
     @property
     def stalls(self) -> str:
-        """Rounds over 5x the median round (a kernel compiled for a new shape, say): count, seconds."""
+        """Rounds over 5x the median round (a kernel compiled for a new shape, say): count, seconds,
+        and each one's (rows, widest draft, drafted) and seconds."""
         if not self.rounds:
             return ""
         med = statistics.median(self.rounds)
-        slow = [r for r in self.rounds if r > 5 * med]
-        return f"{len(slow)}:{sum(slow):.2f}s" if slow else "0"
+        slow = [(r, s) for r, s in zip(self.rounds, self.shapes) if r > 5 * med]
+        if not slow:
+            return "0"
+        each = " ".join(f"{s[0]}x{s[1]}/{s[2]}={r:.2f}" for r, s in slow)
+        return f"{len(slow)}:{sum(r for r, _ in slow):.2f}s ({each})"
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,16 +111,18 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
         rows[row.id], out[row.id] = row, []
         runner.join(row)
     t0 = counted = None
-    rounds = []
+    rounds, shapes, planner = [], [], _Planner(sched)
     with mx.stream(generation_stream):
         while runner.rows:
             r0 = time.perf_counter()
-            rnd = play(runner, sched, lambda rid: n_tokens - len(out[rid]))
+            rnd = play(runner, planner, lambda rid: n_tokens - len(out[rid]))
             for o in rnd.decoded.outcomes:
                 out[o.id] += o.tokens[: n_tokens - len(out[o.id])]
             sched.observe(rnd.report())
             if t0 is not None:
                 rounds.append(time.perf_counter() - r0)
+                b = planner.last.budgets
+                shapes.append((len(rnd.decoding), max(b.values(), default=0), sum(b.values())))
             if t0 is None and all(out.values()):
                 t0, counted = time.perf_counter(), sum(map(len, out.values()))
             for rid in [rid for rid in runner.rows if len(out[rid]) >= n_tokens]:
@@ -122,7 +131,18 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
     wall = time.perf_counter() - t0
     stats = [r.stats for r in rows.values() if r.stats is not None]
     return Run(list(out.values()), sum(map(len, out.values())) - counted, wall,
-               sum(s.drafted for s in stats), sum(s.accepted for s in stats), rounds)
+               sum(s.drafted for s in stats), sum(s.accepted for s in stats), rounds, shapes)
+
+
+class _Planner:
+    """The scheduler, its last plan kept (a round's shape for the stalls' report)."""
+
+    def __init__(self, sched):
+        self.sched, self.last = sched, None
+
+    def plan_round(self, inp):
+        self.last = self.sched.plan_round(inp)
+        return self.last
 
 
 def roofline(target, copy_bps: float, weight_bytes: int, n: int, context: int) -> float:
@@ -138,7 +158,22 @@ def _configs(args: argparse.Namespace, n: int) -> list[tuple[str, float, int]]:
     out = [(f"adaptive α={a}", a, 1) for a in args.alphas]
     if n in args.mixed and n > 1:
         out.append((f"mixed α={args.alphas[0]}", args.alphas[0], 2))
+    out += [(f"fixed k={k} α={args.alphas[0]}", args.alphas[0], 1) for k in args.fixed]
     return out
+
+
+def _scheduler(args: argparse.Namespace, n: int, name: str):
+    """A configuration's scheduler: fixed where its name says so; its decision log under `--log-dir`."""
+    from pathlib import Path
+
+    from worker.scheduler import Scheduler
+
+    fixed = int(name.split("k=")[1].split()[0]) if name.startswith("fixed") else None
+    log = None
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        log = str(Path(args.log_dir) / f"N{n}-{name.replace(' ', '-').replace('α', 'a')}.jsonl")  # ASCII names
+    return Scheduler(fixed=fixed, log_path=log)
 
 
 def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
@@ -156,12 +191,13 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
     configs = _configs(args, n)
     verity_run(target, prompts, args.tokens, draft, ref, args.alphas[0], vocab, Scheduler(), 1, forward)  # scheduler dropped
     runs: dict[str, list[Run]] = {"bg": [], "plain": [], **{c: [] for c, _, _ in configs}}
-    scheds = {c: Scheduler() for c, _, _ in configs}  # cold at the first timed repeat
+    scheds = {c: _scheduler(args, n, c) for c, _, _ in configs}  # cold at the first timed repeat
     for rep in range(args.repeats):
         runs["bg"].append(batch_generator(target, prompts, args.tokens))
         runs["plain"].append(verity_run(target, prompts, args.tokens))
         for c, alpha, every in configs:
             runs[c].append(verity_run(target, prompts, args.tokens, draft, ref, alpha, vocab, scheds[c], every, forward))
+            scheds[c].flush_log()
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
             + f" [stalls {v[-1].stalls}]"
@@ -268,6 +304,8 @@ def add_command(benches) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fixed", type=int, nargs="*", default=[], help="also every row joint at this fixed draft length")
+    p.add_argument("--log-dir", default=None, help="write each joint configuration's decision log here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu_batch)
 
