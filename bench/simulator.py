@@ -17,7 +17,8 @@ rounds instead of 64 gained α = 0.6 ×1 2% here and cost it 17% in a whole run)
 every row computed at the round's widest width, no pipeline restarts, look-ahead or parking), its
 round costs modelled from the machine's weights read, tokens' compute and draft steps
 (`BatchCosts`), the scheduler called as the engine calls it (plan_round, observe). `--every`
-prints every seed's ratio; `--rows TEXT` runs the rows whose name contains it.
+prints every seed's ratio; `--rows TEXT` runs the rows whose name contains it; `--b-max 0` leaves
+the round budget to the rows, as the engine does unless --max-round-budget is set.
 """
 
 from __future__ import annotations
@@ -291,9 +292,10 @@ def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random
     return tokens, clock.now - start
 
 
-def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4), b_max: int = S.DEFAULT_B_MAX) -> dict[str, float]:
+def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4),
+                  b_max: int | None = S.DEFAULT_B_MAX) -> dict[str, float]:
     """Tokens/s of each fixed k and of adaptive on the batch engine, as `compare`; `b_max`:
-    adaptive's drafted tokens a round (the engine's --max-round-budget)."""
+    adaptive's drafted tokens a round (the engine's --max-round-budget; None: by the rows, as unset)."""
     out = {}
     decisions = DecisionClock(sc.machine.decide_s)
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
@@ -375,14 +377,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", action="store_true", help="the batch engine's rows (issue #53) instead")
     p.add_argument("--rows", default="", help="only the rows whose name contains this")
     p.add_argument("--every", action="store_true", help="print every seed's ratio")
-    p.add_argument("--b-max", type=int, default=S.DEFAULT_B_MAX, help="adaptive's drafted tokens a round (--batch)")
+    p.add_argument("--b-max", type=int, default=S.DEFAULT_B_MAX,
+                   help="adaptive's drafted tokens a round (--batch; 0: by the rows, the engine's default)")
     args = p.parse_args(argv)
     rows = batch_rows() if args.batch else gpu_rows() if args.gpu else bench_rows()
     for sc in [sc for sc in rows if args.rows in sc.name]:
         best, plain = [], []
         for seed in range(args.seeds):
             if args.batch:
-                o = compare_batch(sc, seed, b_max=args.b_max)
+                o = compare_batch(sc, seed, b_max=args.b_max or None)
             else:
                 o = compare(sc, seed, (0, 4, 8) if args.gpu else (0, 1, 2, 4))
             best.append(o["adaptive"] / max(v for k, v in o.items() if k.startswith("k=")))

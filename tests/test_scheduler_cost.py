@@ -391,3 +391,39 @@ def test_a_cells_first_round_far_past_plain_is_a_stall_kept_out_of_table_and_win
     s.observe_round(0.025, complete=True)  # 2.5x plain for up to 3 tokens a row: a sample
     s.cost.commit()
     assert s.cost.table()[Cell(2, 4, 2)] == pytest.approx(0.025)
+
+
+def test_a_deep_cell_measured_dear_is_not_priced_by_its_neighbours_again_and_again():
+    """H100, 32 rows, α = 0.8 (the batch model, the engine's round budget): plain rounds 14 ms,
+    every row at k = 1 36 ms, every row 4 deep 79-81 ms, which k = 1's optimistic extrapolation
+    prices at 47. Left STALE_GAP rounds, the deep cell (measured fewer than FEW_ROUNDS times) is
+    priced by its neighbours and drafted once more; that fresh round, a little under the cell's
+    median but within its rounds, confirms the figure: it joins them, and the cell is not priced
+    by its neighbours again (before, it started the cell anew and the deep draft came back every
+    ~35 rounds: 0.90-0.96 of plain)."""
+    rates, deep = [[0.8] * 8] * 32, Cell(32, 128, 4)
+
+    def plain(cm: CostModel, rounds: int) -> None:
+        for _ in range(rounds):
+            cm.observe(Cell(32, 0, 0), 0.014)
+        cm.commit()
+
+    def budget(cm: CostModel) -> int:
+        return decide(rates, 32, cm.table(), 128, counts=cm.counts()).budget
+
+    cm = CostModel()
+    plain(cm, 8)
+    for _ in range(4):
+        cm.observe(Cell(32, 32, 1), 0.036)
+    for t in (0.0796, 0.0811, 0.0788):
+        cm.observe(deep, t)
+    plain(cm, 4)
+    assert budget(cm) == 0  # measured MIN_SAMPLES times: its figure stands
+    plain(cm, STALE_GAP)
+    assert cm.counts()[deep] == 0 and budget(cm) == 128  # seldom measured: priced by its neighbours, tried again
+    cm.observe(deep, 0.0790)  # under its median (0.0796), over its cheapest round (0.0788)
+    plain(cm, 4)
+    assert cm.counts()[deep] == MIN_SAMPLES + 1 and budget(cm) == 0
+    plain(cm, 2 * STALE_GAP)
+    assert cm.counts()[deep] == MIN_SAMPLES + 1 and budget(cm) == 0  # confirmed: not priced by its neighbours again
+    assert estimate(cm.table(), 32, 128, 4, cm.counts()) == pytest.approx(0.0793)

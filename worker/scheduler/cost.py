@@ -41,7 +41,8 @@ class CostModel:
     of cells of MIN_SAMPLES rounds or more, of each round's time / its cell's normalised median,
     each reading moving it at most PACE_BOUND); a cell is priced at its normalised median × the
     pace now. A cell measured fewer than FEW_ROUNDS times in all, measured again after STALE_GAP
-    rounds without a measurement, cheaper than its median, starts anew. How the table is read
+    rounds without a measurement, cheaper than every round it holds, starts anew; no cheaper, its
+    figure is confirmed (`_seldom_measured` leaves it). How the table is read
     (interpolated, bounded by cells that do more work): table.py.
     """
 
@@ -50,6 +51,7 @@ class CostModel:
     def __init__(self):
         self.cells: dict[Cell, list[tuple[int, float]]] = {}  # (round, seconds)
         self.measured: dict[Cell, int] = {}  # rounds each cell was measured in all (none forgotten)
+        self.confirmed: set[Cell] = set()  # cells a fresh round after STALE_GAP rounds did not undercut
         self.rounds = 0
         self.pending: tuple[Cell, float, float] | None = None  # (cell, seconds, drafting seconds)
         self.set_apart: deque[tuple[Cell, float, SetApart | str]] = deque(maxlen=SET_APART_KEPT)  # interrupted, partial or stalled rounds
@@ -87,12 +89,16 @@ class CostModel:
         self.pending = None
         cell = self.cells.setdefault(key, [])
         seconds = raw / self.pace
-        gap, median = (self.rounds - cell[-1][0], _median([t for _, t in cell])) if cell else (0, 0.0)
-        if gap > STALE_GAP and seconds < median and self.measured.get(key, 0) < FEW_ROUNDS:
-            cell.clear()  # a few early rounds priced it out: start anew
+        gap, least = (self.rounds - cell[-1][0], min(t for _, t in cell)) if cell else (0, 0.0)
+        fresh = gap > STALE_GAP
+        if fresh and seconds < least and self.measured.get(key, 0) < FEW_ROUNDS:
+            cell.clear()  # a few early rounds priced it out: start anew (within their spread: one more round)
+            self.confirmed.discard(key)
         if self.stalled(key, raw):
             self.set_apart.append((key, seconds, SetApart.STALL))
             return
+        if fresh and cell:  # a fresh round no cheaper confirms the figure: not seldom measured (`_seldom_measured`)
+            self.confirmed.add(key)
         if len(cell) >= MIN_SAMPLES:  # the pace this round shows, against its cell's figure, moving PACE_BOUND at most
             pace = raw / _median([t for _, t in cell])
             self.paces.append(min(max(pace, self.pace / PACE_BOUND), self.pace * PACE_BOUND))
@@ -179,11 +185,12 @@ class CostModel:
 
     def _seldom_measured(self, table: dict[Cell, float]) -> list[Cell]:
         """Cells past the first drafting depth measured fewer than FEW_ROUNDS times in all (fresh
-        starts included), none in the last STALE_GAP rounds: their count reads 0, so `estimate` caps
-        them by their neighbours and the next decision that prefers them measures them again."""
+        starts included), none in the last STALE_GAP rounds, and no fresh round since confirmed their
+        figure: their count reads 0, so `estimate` caps them by their neighbours and the next
+        decision that prefers them measures them again."""
         return [key for key in self.cells
                 if key.d >= 2 and self.measured.get(key, 0) < FEW_ROUNDS and self.rounds - self.newest(key) > STALE_GAP
-                and key in table]
+                and key in table and key not in self.confirmed]
 
     def _contradicted(self, table: dict[Cell, float], counts: dict[Cell, int]) -> list[Cell]:
         """Drafting cells dearer than a measured one that does more work, unmeasured for STALE_GAP
