@@ -104,6 +104,39 @@ def test_a_full_kv_cache_grows_before_the_one_launch_step_writes_into_it():
     assert c.keys is before
 
 
+def test_a_batch_view_of_one_row_hands_the_one_launch_step_its_slot_to_write_in_place():
+    """The one-launch step writes a row's keys into the batch's slab itself: the view gives it
+    that row's slot (a view of the slab, with room for the new positions) and its length; only
+    for one row of native keys on a layer without a window, within the kernel's longest window."""
+    from worker.batch.slots import SlotKV, Span
+    from worker.kernels import persistent_draft as pd
+    from worker.kvformat import KVFormat
+
+    def slab(**kw):
+        s = SlotKV(**kw)
+        keys = mx.random.normal((2, 2, 60, 8)).astype(mx.bfloat16)
+        s.write(Span(0, 2, (0, 0), (60, 60)), mx.array([0, 0]), keys, keys + 1)
+        return s, keys
+
+    s, keys = slab()
+    state = StateView([mx.zeros((1, 3, 16)), mx.zeros((1, 2, 4, 4))], None, record=False)
+    one = s.view(Span(1, 2, (57,), (1,)), mx.array([57]))
+    k, v, n = one.in_place(200)  # past the slab's 256 positions: it grows first
+    assert n == 57 and k.shape == (1, 2, 512, 8) and s.keys[0].shape == (2, 2, 512, 8)
+    assert mx.array_equal(k[:, :, :60], keys[1:2]).item() and mx.array_equal(v[:, :, :60], keys[1:2] + 1).item()
+    assert pd.eligible([one, state], 1)
+    before = s.keys[0]
+    one.written(mx.zeros((1,), mx.uint32))  # later readers wait for the kernel; the slab holds what it held
+    assert s.keys[0] is not before and mx.array_equal(s.keys[0], before).item()
+    assert s.view(Span(0, 2, (57, 40), (1, 1)), mx.array([57, 40])).in_place(1) is None  # two rows
+    assert not pd.eligible([s.view(Span(1, 2, (4096,), (1,)), mx.array([4096])), state], 1)  # past MAX_S
+    assert slab(window=32)[0].view(Span(1, 2, (57,), (1,)), mx.array([57])).in_place(1) is None
+    q, wide = SlotKV(fmt=KVFormat(bits=4, group_size=32)), mx.zeros((1, 2, 8, 32), mx.bfloat16)
+    q.write(Span(0, 1, (0,), (8,)), mx.array([0]), wide, wide)
+    assert q.view(Span(0, 1, (8,), (1,)), mx.array([8])).in_place(1) is None  # packed keys: not in place
+    assert not pd.eligible([one, StateView([mx.zeros((1, 3, 16)), None], None, record=False)], 1)  # no state yet
+
+
 def test_the_one_launch_step_is_prepared_only_where_cuda_runs():
     # head_dim 256: a model the one-launch step applies to (see above)
     m = gb.build(dict(gb.DRAFT_08B, **dict(gb.SMALL, head_dim=256), full_attention_interval=2), mx.float32, 4)

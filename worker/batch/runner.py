@@ -288,6 +288,8 @@ class BatchRunner:
         dr.recover(self.draft, drafts, self.rows, accepted)
         if mx.default_device() == mx.cpu:
             mx.eval(self.target.arrays(), self.draft.arrays())
+        else:  # the device takes what each row kept while the host plans the next round
+            mx.async_eval(self.target.arrays(), self.draft.arrays())
         for rid in accepted:
             if accepted[rid] < drafts.k(rid):
                 self.rows[rid].stats.recovery_s += time.perf_counter() - t2

@@ -193,6 +193,22 @@ class KVView:
             mask = mask & ((k[None, None, :] < keep) | (k[None, None, :] > q[:, :, None] - reach))
         return mask[:, None]
 
+    def in_place(self, extra: int) -> Optional[tuple[mx.array, mx.array, int]]:
+        """For a kernel that writes one row's new keys and values into the slab itself: the row's
+        keys and values (views of its slot, with room for `extra` more positions) and its length;
+        None unless the view is one row of native keys on a layer without a window. The kernel's
+        caller then calls `written`."""
+        s, slab = self.span, self.slab
+        if s.rows != 1 or slab.fmt.quantized or slab.window is not None or self.rolling is not None or slab.keys is None:
+            return None
+        slab.reserve(s.stop, s.lengths[0] + extra)
+        return slab.keys[0][s.start: s.stop], slab.values[0][s.start: s.stop], s.lengths[0]
+
+    def written(self, done: mx.array) -> None:
+        """A kernel wrote into the slab in place: whatever reads it from now on waits for `done`."""
+        self.slab.keys = [mx.depends(p, done) for p in self.slab.keys]
+        self.slab.values = [mx.depends(p, done) for p in self.slab.values]
+
     @property
     def state(self):
         return self.slab.fetch(self.span, self.upto)

@@ -201,6 +201,11 @@ def forward_rows(model, inputs: mx.array, cache: list, layers: list[_Layer], ker
     return dk.gemv(h, head, norm.weight, norm.eps, kernel=kernel_gemv)[:R, None]
 
 
+WIDEST = 2  # a batch's draft forward of one row takes the kernels up to this width: a draft lags two tokens
+# after a round that kept every draft. The kernels compile for each width (seconds on a GPU; the warm-up
+# meets these), and wider forwards (a catch-up, a replay) are rare: they take mlx-lm's forward.
+
+
 class NarrowForward:
     """A Qwen3.5 draft's forward: narrow forwards of one sequence take the kernels' path (see the
     module's note), the rest the model's own. `persistent`: the one-launch step where it applies
@@ -236,6 +241,4 @@ def where_it_runs(model) -> Optional[NarrowForward]:
     weight = getattr(getattr(getattr(model, "language_model", None), "model", None), "embed_tokens", None)
     if weight is None or not dk.available(weight.weight.dtype):
         return None
-    # one token a forward only: the kernels compile for each width (seconds each on the GPU), and the
-    # batch's draft feeds widths that vary (a lag, a recovery's kept tokens)
-    return narrow_forward(model, persistent=True, widest=1)
+    return narrow_forward(model, persistent=True, widest=WIDEST)
