@@ -21,6 +21,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from bench import common as bench
 
@@ -153,27 +154,37 @@ def roofline(target, copy_bps: float, weight_bytes: int, n: int, context: int) -
     return n * copy_bps / (weight_bytes + n * cost.worst_case(context))
 
 
-def _configs(args: argparse.Namespace, n: int) -> list[tuple[str, float, int]]:
-    """(name, α, every how many rows one is joint) of each joint configuration at this N."""
-    out = [(f"adaptive α={a}", a, 1) for a in args.alphas]
+@dataclass(frozen=True)
+class Config:
+    """A joint configuration at one N: every `every`-th row joint, its draft accepting α of the
+    target's tokens; `fixed`: every joint row drafts that deep (None: the adaptive scheduler)."""
+
+    name: str
+    alpha: float
+    every: int = 1
+    fixed: Optional[int] = None
+
+
+def _configs(args: argparse.Namespace, n: int) -> list[Config]:
+    """Each joint configuration at this N."""
+    out = [Config(f"adaptive α={a}", a) for a in args.alphas]
     if n in args.mixed and n > 1:
-        out.append((f"mixed α={args.alphas[0]}", args.alphas[0], 2))
-    out += [(f"fixed k={k} α={args.alphas[0]}", args.alphas[0], 1) for k in args.fixed]
+        out.append(Config(f"mixed α={args.alphas[0]}", args.alphas[0], 2))
+    out += [Config(f"fixed k={k} α={args.alphas[0]}", args.alphas[0], fixed=k) for k in args.fixed]
     return out
 
 
-def _scheduler(args: argparse.Namespace, n: int, name: str):
-    """A configuration's scheduler: fixed where its name says so; its decision log under `--log-dir`."""
+def _scheduler(args: argparse.Namespace, n: int, config: Config):
+    """A configuration's scheduler, its decision log under `--log-dir`."""
     from pathlib import Path
 
     from worker.scheduler import Scheduler
 
-    fixed = int(name.split("k=")[1].split()[0]) if name.startswith("fixed") else None
     log = None
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        log = str(Path(args.log_dir) / f"N{n}-{name.replace(' ', '-').replace('α', 'a')}.jsonl")  # ASCII names
-    return Scheduler(fixed=fixed, log_path=log)
+        log = str(Path(args.log_dir) / f"N{n}-{config.name.replace(' ', '-').replace('α', 'a')}.jsonl")  # ASCII names
+    return Scheduler(fixed=config.fixed, log_path=log)
 
 
 def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
@@ -183,6 +194,8 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
     from worker.scheduler import Scheduler
 
     forward = fast_draft.where_it_runs(draft)  # as the engine runs a draft
+    if forward is not None and args.sublayers:
+        forward = fast_draft.narrow_forward(draft, persistent=False, widest=1)
 
     prompts = _prompts(n, args.prompt_tokens, vocab)
     batch_generator(target, prompts, 4)
@@ -190,14 +203,15 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
     ref = verity_run(target, prompts, args.tokens).tokens
     configs = _configs(args, n)
     verity_run(target, prompts, args.tokens, draft, ref, args.alphas[0], vocab, Scheduler(), 1, forward)  # scheduler dropped
-    runs: dict[str, list[Run]] = {"bg": [], "plain": [], **{c: [] for c, _, _ in configs}}
-    scheds = {c: _scheduler(args, n, c) for c, _, _ in configs}  # cold at the first timed repeat
+    runs: dict[str, list[Run]] = {"bg": [], "plain": [], **{c.name: [] for c in configs}}
+    scheds = {c.name: _scheduler(args, n, c) for c in configs}  # cold at the first timed repeat
     for rep in range(args.repeats):
         runs["bg"].append(batch_generator(target, prompts, args.tokens))
         runs["plain"].append(verity_run(target, prompts, args.tokens))
-        for c, alpha, every in configs:
-            runs[c].append(verity_run(target, prompts, args.tokens, draft, ref, alpha, vocab, scheds[c], every, forward))
-            scheds[c].flush_log()
+        for c in configs:
+            runs[c.name].append(verity_run(target, prompts, args.tokens, draft, ref, c.alpha, vocab, scheds[c.name],
+                                           c.every, forward))
+            scheds[c.name].flush_log()
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
             + f" [stalls {v[-1].stalls}]"
@@ -306,6 +320,8 @@ def add_command(benches) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fixed", type=int, nargs="*", default=[], help="also every row joint at this fixed draft length")
     p.add_argument("--log-dir", default=None, help="write each joint configuration's decision log here")
+    p.add_argument("--sublayers", action="store_true",
+                   help="the draft path before the one launch ran on the batch's slots: kernels a sublayer, one token wide")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu_batch)
 

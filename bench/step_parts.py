@@ -175,6 +175,44 @@ def check_rows(draft, rows: int) -> dict:
     return {"rows": rows, "rows_path_kernels_vs_ops_worst_relative_error": worst}
 
 
+def check_one_row(draft, steps: int = 6) -> dict:
+    """A one-row draft step on the batch's slots through the one-launch kernel (writing the slab in
+    place) against mlx-lm's forward on the same slots, on the device, with the kernels a sublayer
+    as a control: rows at slots 0 and 1 of different lengths, each stepped alone; at step 2 the
+    row rejects its token (its length stays, the next step writes there again), at step 3 it
+    feeds two tokens. The worst relative logit errors, argmax agreement, and the one-launch calls
+    made (0: the kernel did not run)."""
+    import mlx.core as mx
+
+    from worker.batch.slotbatch import SlotBatch
+    from worker.kernels import fast_draft
+
+    fast = fast_draft.where_it_runs(draft)
+    ids, widths = ["a", "b"], [40, 57]
+    sub = (lambda x, c: fast_draft.forward(draft, x, c, fast.layers, True)) if fast else None  # the kernels a sublayer
+    batches = [SlotBatch(draft, fast), SlotBatch(draft), SlotBatch(draft, sub)]
+    for b in batches:
+        for rid in ids:
+            b.add(rid)
+        b.arrange(set(ids))
+        b.commit(b.forward(ids, mx.array([[(7 * i + j) % 1000 + 1 for j in range(57)] for i in range(2)]), widths), widths)
+    worst, agree, calls0 = [0.0, 0.0], True, fast.one.calls if fast and fast.one else 0
+    for n in range(steps):
+        width = 2 if n == 3 else 1  # a row lagging two tokens (after a round that accepted every draft)
+        for i, rid in enumerate(ids):
+            x = mx.array([[(31 * n + 11 * i + j) % 1000 + 1 for j in range(width)]])
+            fs = [b.forward([rid], x, [width]) for b in batches]
+            for b, f in zip(batches, fs):
+                b.commit(f, [0 if n == 2 else width])
+            g, w, u = (f.logits.astype(mx.float32) for f in fs)
+            for j, other in enumerate((g, u)):
+                worst[j] = max(worst[j], (mx.abs(other - w).max() / mx.abs(w).max()).item())
+            agree = agree and bool(mx.array_equal(mx.argmax(g, -1), mx.argmax(w, -1)).item())
+    calls = (fast.one.calls if fast and fast.one else 0) - calls0
+    return {"one_row_persistent_calls": calls, "one_launch_vs_mlx_lm_worst_relative_error": worst[0],
+            "sublayers_vs_mlx_lm_worst_relative_error": worst[1], "one_launch_argmax_agrees": agree}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ns", type=int, nargs="+", default=[8, 32])
@@ -186,6 +224,9 @@ def main() -> None:
     p.add_argument("--small", action="store_true")
     p.add_argument("--check-rows", type=int, nargs="*", default=[], help="check the draft's rows path at these row counts")
     p.add_argument("--attention", action="store_true", help="also time one attention layer's parts alone")
+    p.add_argument("--check-one-row", action="store_true", help="check the one-launch draft step on the batch's slots")
+    p.add_argument("--sublayers", action="store_true",
+                   help="the draft path before the one launch ran on the batch's slots (a comparison)")
     a = p.parse_args()
     apply()
     import mlx.core as mx
@@ -205,10 +246,15 @@ def main() -> None:
         tcfg.update(gb.SMALL)
         dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
     target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
-    runner = BatchRunner(target, draft, 2048, draft_forward=fast_draft.where_it_runs(draft))
+    forward = fast_draft.where_it_runs(draft)
+    if forward is not None and a.sublayers:
+        forward = fast_draft.narrow_forward(draft, persistent=False, widest=1)
+    runner = BatchRunner(target, draft, 2048, draft_forward=forward)
     split = Split(runner, dr)
     for rows in a.check_rows:
         print(json.dumps(check_rows(draft, rows)), flush=True)
+    if a.check_one_row:
+        print(json.dumps(check_one_row(draft)), flush=True)
     with mx.stream(generation_stream):
         base = _prompts(1, a.prompt + max(a.ns) * max(a.stagger), tcfg["vocab_size"])[0]
         runner.warm(base, 9)

@@ -19,9 +19,10 @@ def test_a_stall_is_reported_with_its_rows_depth_and_drafted_tokens():
 
 def test_fixed_depths_run_beside_adaptive_with_fixed_schedulers_and_ascii_logs(tmp_path):
     args = _args(tmp_path)
-    names = [c for c, _, _ in gb._configs(args, 8)]
-    assert names == ["adaptive α=0.8", "mixed α=0.8", "fixed k=2 α=0.8"]
-    fixed, adaptive = gb._scheduler(args, 8, names[2]), gb._scheduler(args, 8, names[0])
+    configs = gb._configs(args, 8)
+    assert [c.name for c in configs] == ["adaptive α=0.8", "mixed α=0.8", "fixed k=2 α=0.8"]
+    assert [c.every for c in configs] == [1, 2, 1] and [c.fixed for c in configs] == [None, None, 2]
+    fixed, adaptive = gb._scheduler(args, 8, configs[2]), gb._scheduler(args, 8, configs[0])
     assert fixed.fixed == 2 and adaptive.fixed is None
     for s in (fixed, adaptive):
         s.plan(["r0"], 1)
