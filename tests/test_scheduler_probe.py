@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
+from worker import scheduler
 from worker.round import Cell
-from worker.scheduler import (FREE_SIT_OUT, PROBE_DEPTH, PROBE_ROWS, Probe, Scheduler, decide, probe_count,
-                              probe_interval, replay, survivals)
+from worker.scheduler import (FREE_SIT_OUT, PROBE_DEPTH, PROBE_EVERY, PROBE_ROWS, PROBE_SHARE, UNCERTAIN_SHARE, Probe,
+                              Scheduler, decide, plausible_acceptance, probe_count, probe_interval, replay, survivals)
 
 # bench/simulator.py's GPU_BATCH with 32 rows (ms): plain 7.5; four rows drafting 1 or 2 cost the
 # drafting round's fixed cost and draft steps (memory-bound, the verify as plain); every row at 1
@@ -75,6 +76,38 @@ def test_a_probe_is_followed_only_where_it_beat_its_estimates():
         for j, rid in enumerate(drafted):
             s.observe_cycle(rid, 1, int(j < accepted))
         assert any(s.plan(ids, 64)) == followed
+
+
+# one request whose drafting round costs 2.5 plain rounds and 3.5 ms a depth more: every draft
+# accepted, 6 deep leads plain rounds by 1.5×; at 0.8 it loses, and at 0.9 it leads by less than 1.25×
+DEAR_1 = {Cell(1, 0, 0): 0.0072, Cell(1, 1, 1): 0.018, Cell(1, 4, 4): 0.028, Cell(1, 6, 6): 0.034}
+# an H100's one request (bench/simulator.py's H100_BATCH): every draft accepted leads by under 1.2×
+H100_1 = {Cell(1, 0, 0): 0.0072, Cell(1, 1, 1): 0.0208, Cell(1, 4, 4): 0.0340, Cell(1, 6, 6): 0.0460}
+
+
+def test_an_uncertain_draft_is_probed_more_only_where_it_could_plausibly_pay_well(monkeypatch):
+    """At one row a probe observes position 1 once, so the uncertain share (10% of plain time
+    until FEW_OBSERVED observations) lasted a whole run: the simulator's h100 α = 0.8 N = 1 read
+    0.935 of plain (least 0.889). Probes may cost UNCERTAIN_SHARE only where drafting, at the
+    most its acceptance plausibly is (the observations' upper bound), would lead plain rounds
+    by UNCERTAIN_LEAD: three cycles seen leave that open, fourteen at 0.7 do not (probes come as
+    where the draft is known), and on an H100's one request not even every draft accepted would."""
+    def first_probe(accepted: list[int]) -> int:
+        s = Scheduler()
+        s.cost.cells = {c: [(0, v)] * 9 for c, v in DEAR_1.items()}
+        s.cost.rounds = 1
+        for n in accepted:
+            s.observe_cycle("old", 4, n)
+        return next((i for i in range(2000) if s.plan(["r"], 1)[0]), 2000)
+    few, seen = [4, 1, 3], [4, 1, 3, 0, 2, 4, 1, 3, 0, 4, 2, 1, 0, 2]  # position 1 tried 3 and 14 times
+    uncertain = first_probe(few), first_probe(seen)
+    monkeypatch.setattr(scheduler.state, "FEW_OBSERVED", 0.0)
+    known = first_probe(few), first_probe(seen)
+    assert known[0] > 3 * PROBE_EVERY and uncertain[0] <= max(PROBE_EVERY, known[0] * PROBE_SHARE / UNCERTAIN_SHARE + 1)
+    assert uncertain[1] == known[1] > 3 * PROBE_EVERY
+    assert plausible_acceptance(0, 0) == 1.0 and 0.9 < plausible_acceptance(24, 34) < 0.92 < plausible_acceptance(8, 10)
+    assert probe_interval(H100_1, 1, first=[0.8], plausible=1.0) == probe_interval(H100_1, 1, first=[0.8]) > PROBE_EVERY
+    assert probe_interval(DEAR_1, 1, first=[0.8], plausible=1.0) < probe_interval(DEAR_1, 1, first=[0.8])
 
 
 def test_a_decision_replays_the_probe_it_logged():

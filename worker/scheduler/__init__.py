@@ -16,8 +16,9 @@ from worker.scheduler.cost import (CATCH_UP_REASONS, DISCARD_REASONS, FEW_ROUNDS
                                    WINDOW, CostModel, feed_pieces, fit_feed)
 from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, SWITCH_HORIZON, Candidate, Decision,
                                      decide, plain_probe_interval)
-from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, MAX_FOLLOW_HIT, PROBE_DEPTH, PROBE_EVERY, PROBE_ROWS,
-                                    PROBE_SHARE, UNCERTAIN_SHARE, Probe, probe_count, probe_interval, probe_lengths)
+from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, MAX_FOLLOW_HIT, PLAUSIBLE_Z, PROBE_DEPTH, PROBE_EVERY,
+                                    PROBE_ROWS, PROBE_SHARE, UNCERTAIN_LEAD, UNCERTAIN_SHARE, Probe,
+                                    plausible_acceptance, probe_count, probe_interval, probe_lengths)
 from worker.scheduler.log import LOG_BATCH, replay
 from worker.scheduler.state import DECISION_SHARE, DEFAULT_B_MAX, MAX_HOLD, Scheduler
 from worker.scheduler.table import estimate
@@ -32,8 +33,9 @@ __all__ = [
     "feed_pieces", "fit_feed",
     "EXPLORE_MARGIN", "FEW_PLAIN_GAP", "PLAIN_GAP", "SWITCH_HORIZON", "Candidate", "Decision", "decide",
     "plain_probe_interval",
-    "FEW_OBSERVED", "HOPELESS_EVERY", "MAX_FOLLOW_HIT", "PROBE_DEPTH", "PROBE_EVERY", "PROBE_ROWS", "PROBE_SHARE",
-    "UNCERTAIN_SHARE", "Probe", "probe_count", "probe_interval", "probe_lengths",
+    "FEW_OBSERVED", "HOPELESS_EVERY", "MAX_FOLLOW_HIT", "PLAUSIBLE_Z", "PROBE_DEPTH", "PROBE_EVERY", "PROBE_ROWS",
+    "PROBE_SHARE", "UNCERTAIN_LEAD", "UNCERTAIN_SHARE", "Probe", "plausible_acceptance", "probe_count",
+    "probe_interval", "probe_lengths",
     "LOG_BATCH", "replay",
     "DECISION_SHARE", "DEFAULT_B_MAX", "MAX_HOLD", "Scheduler",
     "estimate",

@@ -16,7 +16,10 @@ PROBE_DEPTH = 2  # ... from 1 to this deep, in turn (two depths measured show th
 PROBE_SHARE = 0.02  # probes (and plain explorations) come as often as keeps their expected loss under this share
 PROBE_EVERY = 16  # with speculation off and nothing measured, probe this often
 FEW_OBSERVED = 16.0  # position-1 observations over the long run under which ...
-UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×)
+UNCERTAIN_SHARE = 0.10  # ... probes may cost this share of plain time (PROBE_SHARE's 5×), where a plausible
+                        # acceptance (the observations' upper bound) would let drafting lead plain rounds by ...
+UNCERTAIN_LEAD = 1.25  # ... this (EXPLORE_MARGIN's lead); elsewhere PROBE_SHARE (a near-perfect draft's small lead)
+PLAUSIBLE_Z = 4.0  # that bound: the Wilson interval's upper end, this many deviations out, of every position's counts
 MAX_FOLLOW_HIT = 0.9  # the chance of a probe's hit that prices its follow-ups at most (9 rounds)
 HOPELESS_EVERY = 16384  # plain rounds between probes where no depth would pay with every draft accepted
 
@@ -68,7 +71,7 @@ def probe_lengths(survival: Sequence[Sequence[float]], rows: Sequence[int], dept
 def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell, int] | None = None,
                    catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
                    behind: bool = False, restart: float = 0.0, probe: Probe | None = None,
-                   draft_step: float | None = None) -> int:
+                   draft_step: float | None = None, plausible: float | None = None) -> int:
     """Plain rounds between probes. `first`: the joint requests' position-1 estimates; `probe`:
     what a probe drafts (None: one token for each of them). Its expected loss is its cell's cost
     less the plain time of the tokens it expects (N + its gain), plus `discard` (the forward
@@ -77,7 +80,11 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
     hit; `catch_up`, what its drafts first feed, adds to it unless it comes within FREE_SIT_OUT
     rounds. Probes come as often as keeps that under PROBE_SHARE of the plain time between them:
     every FREE_SIT_OUT rounds where a probe costs next to nothing (and no draft is `behind`
-    already), every HOPELESS_EVERY where no depth could pay (`_could_pay`)."""
+    already), every HOPELESS_EVERY where no depth could pay (`_could_pay`). `plausible`: while
+    the draft is uncertain (Scheduler: position 1 observed fewer than FEW_OBSERVED times), the
+    most a position's acceptance plausibly is (`plausible_acceptance`); where drafting at it
+    would lead plain rounds by UNCERTAIN_LEAD at some depth, probes may cost UNCERTAIN_SHARE of
+    plain time, not PROBE_SHARE (every PROBE_EVERY rounds at the most)."""
     if probe is None:
         probe = Probe.of([[a] for a in first], [1] * len(first))
     plain = estimate(table, n_requests, 0, 0, counts)
@@ -89,8 +96,23 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
     expected = plain * (n_requests + probe.gain) / n_requests  # plain time for what a probe yields
     loss = cost - expected + (discard or 0.0) + restart + _follow_ups(probe) * max(0.0, cost - expected)
     if not behind and loss <= PROBE_SHARE * plain * (FREE_SIT_OUT + 1):
-        return FREE_SIT_OUT
-    return max(FREE_SIT_OUT + 1, math.ceil((loss + (catch_up or 0.0)) / (PROBE_SHARE * plain)))
+        every = FREE_SIT_OUT
+    else:
+        every = max(FREE_SIT_OUT + 1, math.ceil((loss + (catch_up or 0.0)) / (PROBE_SHARE * plain)))
+    if plausible is not None and _could_pay(table, n_requests, len(first), counts, plain, draft_step, plausible,
+                                            UNCERTAIN_LEAD):
+        every = max(PROBE_EVERY, math.ceil(every * PROBE_SHARE / UNCERTAIN_SHARE))
+    return every
+
+
+def plausible_acceptance(accepted: float, tried: float, z: float = PLAUSIBLE_Z) -> float:
+    """The most a position's acceptance plausibly is, `accepted` of `tried` drafts seen
+    (every position's together): the upper end of their Wilson score interval, `z` deviations
+    out; 1 where none was tried."""
+    if tried <= 0:
+        return 1.0
+    p, q = accepted / tried, z * z / tried
+    return min(1.0, (p + q / 2 + z * math.sqrt(p * (1 - p) / tried + q / (4 * tried))) / (1 + q))
 
 
 def _follow_ups(probe: Probe) -> float:
@@ -101,8 +123,9 @@ def _follow_ups(probe: Probe) -> float:
 
 
 def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, int] | None, plain: float,
-               draft_step: float | None = None) -> bool:
-    """Whether drafting d tokens for each of `joint` requests, all accepted, beats plain rounds
+               draft_step: float | None = None, rate: float = 1.0, lead: float = 1.0) -> bool:
+    """Whether drafting d tokens for each of `joint` requests, each position accepted at `rate`
+    (1: all accepted), beats plain rounds (by `lead` times their tokens per second)
     at some depth d within reach (one past the deepest measured: the extrapolation past it is
     optimistic enough to make any draft look worth a probe) or, with the measured `draft_step`,
     at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
@@ -116,6 +139,6 @@ def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, 
             cost = estimate(table, n, joint * reach, reach, counts) + (d - reach) * step
         else:
             break
-        if cost is not None and (n + joint * d) / cost > n / plain:
+        if cost is not None and (n + joint * sum(rate ** j for j in range(1, d + 1))) / cost > lead * n / plain:
             return True
     return False

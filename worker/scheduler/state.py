@@ -3,7 +3,6 @@ acceptance estimates, the cost model and the decision rule, with the log every d
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Sequence
 
@@ -13,8 +12,8 @@ from worker.scheduler.allocation import POSITIONS, allocate, survivals
 from worker.scheduler.cost import DISCARD_REASONS, MIN_SAMPLES, PIPELINE_REASONS, TAKEN_REASONS, CostModel
 from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, Candidate, Decision, _best,
                                      _best_drafting, decide, plain_probe_interval)
-from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, PROBE_DEPTH, PROBE_EVERY, PROBE_SHARE, UNCERTAIN_SHARE,
-                                    Probe, probe_count, probe_interval, probe_lengths)
+from worker.scheduler.probe import (FEW_OBSERVED, PROBE_DEPTH, PROBE_EVERY, Probe, plausible_acceptance, probe_count,
+                                    probe_interval, probe_lengths)
 from worker.scheduler.log import DecisionLog, cells_to_log
 from worker.scheduler.table import estimate
 from worker.scheduler.window import SWITCHING, NeverLose, WindowState
@@ -200,12 +199,12 @@ class Scheduler:
                         catch_up: float | None, discard: float | None, behind: bool, restart: float,
                         probe: Probe) -> int:
         """Plain rounds between probes (`probe_interval`); until position 1 has FEW_OBSERVED
-        observations over the long run, probes may cost UNCERTAIN_SHARE of plain time, not PROBE_SHARE."""
-        every = probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
-                               probe, self.cost.draft_step(n))
-        if self.longrun.tried[0] < FEW_OBSERVED and every != HOPELESS_EVERY:
-            every = max(PROBE_EVERY, math.ceil(every * PROBE_SHARE / UNCERTAIN_SHARE))
-        return every
+        observations over the long run, priced for the acceptance they plausibly allow (every
+        position's long-run counts together), where probes may cost UNCERTAIN_SHARE of plain time."""
+        uncertain = self.longrun.tried[0] < FEW_OBSERVED
+        plausible = plausible_acceptance(sum(self.longrun.accepted), sum(self.longrun.tried)) if uncertain else None
+        return probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
+                              probe, self.cost.draft_step(n), plausible)
 
     def _explore_margin(self, n: int, plain_rounds: int) -> float | None:
         """The lead under which a due plain exploration is taken: EXPLORE_MARGIN; any lead (None)
