@@ -189,7 +189,7 @@ def check_one_row(draft, steps: int = 6) -> dict:
 
     fast = fast_draft.where_it_runs(draft)
     ids, widths = ["a", "b"], [40, 57]
-    sub = (lambda x, c: fast_draft.forward(draft, x, c, fast.layers, True)) if fast else None  # the kernels a sublayer
+    sub = fast_draft.narrow_forward(draft, persistent=False, widest=fast_draft.WIDEST) if fast else None  # a sublayer
     batches = [SlotBatch(draft, fast), SlotBatch(draft), SlotBatch(draft, sub)]
     for b in batches:
         for rid in ids:

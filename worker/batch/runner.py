@@ -110,20 +110,22 @@ class BatchRunner:
 
     def _warm_rounds(self, tokens: list[int], widest: int) -> None:
         """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
-        of unequal lengths: what a round of many rows compiles (gathers, scatters, recovery) the
-        first time it runs (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
+        of unequal lengths, and of one joint row at every depth (its draft takes the one-launch
+        step): what a round compiles (gathers, scatters, recovery) the first time it runs at a
+        shape (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
         if self.draft is None or self.rows or len(tokens) < 8:
             return
-        ids = [f"{WARM}{i}" for i in range(2)]
-        for i, rid in enumerate(ids):
-            self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
-        while any(self.rows[rid].phase == Phase.PREFILL for rid in ids):
-            self.prefill()
-        for k in sorted({0, 1, widest - 1}):
-            self.decode({rid: k for rid in ids})
-            mx.eval(self.target.arrays(), self.draft.arrays())
-        for rid in ids:
-            self.leave(rid)
+        for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, range(1, widest))):
+            ids = [f"{WARM}{i}" for i in range(rows)]
+            for i, rid in enumerate(ids):
+                self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
+            while any(self.rows[rid].phase == Phase.PREFILL for rid in ids):
+                self.prefill()
+            for k in depths:
+                self.decode({rid: k for rid in ids})
+                mx.eval(self.target.arrays(), self.draft.arrays())
+            for rid in ids:
+                self.leave(rid)
 
     # ---- membership ----
 
