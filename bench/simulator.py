@@ -232,6 +232,9 @@ GPU_BATCH = BatchCosts(2.0, 4.5, 0.03, 0.025, 2.0, 1.5, 0.01)
 # an H100's 9B / 0.8B shapes as the batch engine ran them (2026-12-05: a plain round 7 ms at one row, 14 ms at 32;
 # a drafting round 24.5 ms at one row and k = 2, 42 ms at 8 rows, 54 ms at 32): drafting pays nowhere
 H100_BATCH = BatchCosts(2.0, 5.0, 0.23, 0.025, 9.0, 4.3, 0.3)
+# one row of that H100 with its draft step in one launch (2026-12-06, 6ab4ac3: a plain round 7.7 ms, drafting
+# rounds 18.5 ms at k = 2 and 20 ms at k = 4, from gpu-batch's fixed depths): drafting pays at one row
+H100_ONE_ROW = BatchCosts(2.0, 5.0, 0.23, 0.025, 9.7, 0.45, 0.3)
 # the 2-core CPU's SmolLM2-135M and its 2-layer draft: compute-bound past 7 tokens a forward; one request's
 # plain and k = 1, 8 rounds as EMBEDDED_X1 measured (32, 44, 99 ms)
 CPU_BATCH = BatchCosts(4.0, 28.0, 0.0, 4.0, 6.0, 5.0, 0.5)
@@ -315,6 +318,8 @@ def batch_rows() -> list[BatchScenario]:
     rows += [BatchScenario(f"gpu α=0.8 N={n} half", lambda p, t: 0.8, n, n // 2, GPU_BATCH, H200, runs=3) for n in (8, 32)]
     rows += [BatchScenario(f"h100 α={a} N={n}", lambda p, t, a=a: a, n, n, H100_BATCH, H200, runs=3)
              for a in (0.6, 0.8) for n in (1, 8, 32)]
+    rows += [BatchScenario(f"h100 one launch α={a} N=1", lambda p, t, a=a: a, 1, 1, H100_ONE_ROW, H200, runs=3)
+             for a in (0.6, 0.8)]
     rows += [BatchScenario(f"cpu α={a} N={n}", lambda p, t, a=a: a, n, n, CPU_BATCH, CPU, tokens=48)
              for a in (0.6, 0.9) for n in (1, 4, 8, 16)]
     # main's engine: rows moving out of the batch and back, 2 ms each (a probe of 32 rows at 10× a plain round)
