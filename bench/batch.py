@@ -129,6 +129,17 @@ def run_long_prompt(url: str, n: int, tokens: int, long_tokens: int, mode: str =
             "gaps": len(gaps)}
 
 
+def spec_counts(url: str) -> tuple[int, int]:
+    """The stack's draft tokens proposed and accepted so far (its /metrics counters)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return (int(values.get("verity:spec_decode_num_draft_tokens_total", 0)),
+            int(values.get("verity:spec_decode_num_accepted_tokens_total", 0)))
+
+
 def run_batch(args: argparse.Namespace) -> int:
     reexec_with_blas()  # the in-process side gets the same BLAS as launch-stack's worker
     if args.long_prompt:
@@ -152,9 +163,15 @@ def run_batch(args: argparse.Namespace) -> int:
                     if side == "batchgenerator":
                         s = run_inprocess(lm, n, args.tokens, args.prefill_step)
                     else:
+                        before = spec_counts(stack.url)
                         s = run_http(stack.url, n, args.tokens, "joint" if side == "joint" else "baseline")
-                    runs[(side, n)].append(s.figures())
-                    progress(f"repeat {rep + 1}, N = {n}, {side}: {runs[(side, n)][-1]['tps']:.1f} tok/s")
+                        spent = [b - a for a, b in zip(before, spec_counts(stack.url))]
+                    figures = s.figures()
+                    if side == "joint":
+                        figures["drafted"], figures["accepted"] = spent
+                    runs[(side, n)].append(figures)
+                    shown = f"; drafted/accepted {spent[0]}/{spent[1]}" if side == "joint" else ""
+                    progress(f"repeat {rep + 1}, N = {n}, {side}: {figures['tps']:.1f} tok/s{shown}")
     return _report(args, ns, sides, runs)
 
 
@@ -168,11 +185,13 @@ def _report(args: argparse.Namespace, ns: list[int], sides: list[str], runs: dic
         if "joint" in sides:
             fig["joint_vs_baseline"] = med["joint"]["tps"] / med["http"]["tps"]
             fig["joint_vs_baseline_pairs"] = [j["tps"] / h["tps"] for j, h in zip(runs[("joint", n)], runs[("http", n)])]
+            fig["joint_drafted_accepted"] = [f"{j['drafted']}/{j['accepted']}" for j in runs[("joint", n)]]
         per_n[str(n)] = fig
         for side in sides:
             m = med[side]
             rows.append((f"N={n} {side}", f"{m['tps']:.1f}", f"{m['ttft_p50'] * 1000:.0f}", f"{m['ttft_p95'] * 1000:.0f}",
-                         f"{m['itl_p50'] * 1000:.1f}", f"{m['itl_p95'] * 1000:.1f}"))
+                         f"{m['itl_p50'] * 1000:.1f}", f"{m['itl_p95'] * 1000:.1f}",
+                         " ".join(fig["joint_drafted_accepted"]) if side == "joint" else ""))
     ratio = min(f["http_vs_batchgenerator"] for f in per_n.values())
     joint = min((f["joint_vs_baseline"] for f in per_n.values() if "joint_vs_baseline" in f), default=None)
     met = ratio >= GOAL_HTTP and (joint is None or joint >= GOAL_JOINT)
@@ -182,7 +201,7 @@ def _report(args: argparse.Namespace, ns: list[int], sides: list[str], runs: dic
     figures = {"bench": "batch", "model": args.model, "tokens": args.tokens, "repeats": args.repeats, "ns": ns,
                "per_n": per_n, "ratio": ratio, "joint_ratio": joint, "goals_met": met}
     print_report(f"bench batch: {args.model}, {args.tokens} tokens a stream, median of {args.repeats} alternated runs",
-                 rows, ("side", "tok/s", "ttft p50 ms", "ttft p95 ms", "itl p50 ms", "itl p95 ms"), figures, args.json,
+                 rows, ("side", "tok/s", "ttft p50 ms", "ttft p95 ms", "itl p50 ms", "itl p95 ms", "drafted/accepted"), figures, args.json,
                  footer)
     return 0
 
