@@ -110,12 +110,15 @@ class BatchRunner:
 
     def _warm_rounds(self, tokens: list[int], widest: int) -> None:
         """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
-        of unequal lengths, and of one joint row at every depth (its draft takes the one-launch
-        step): what a round compiles (gathers, scatters, recovery) the first time it runs at a
+        of unequal lengths, and off the CPU of one joint row at every depth (its draft takes the
+        one-launch step): what a round compiles (gathers, scatters, recovery) the first time it runs at a
         shape (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
         if self.draft is None or self.rows or len(tokens) < 8:
             return
-        for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, range(1, widest))):
+        one_row = range(1, widest) if mx.default_device() != mx.cpu else ()  # the CPU builds nothing per shape
+        for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, one_row)):
+            if not depths:
+                continue
             ids = [f"{WARM}{i}" for i in range(rows)]
             for i, rid in enumerate(ids):
                 self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
