@@ -199,10 +199,16 @@ class KVView:
         None unless the view is one row of native keys on a layer without a window. The kernel's
         caller then calls `written`."""
         s, slab = self.span, self.slab
-        if s.rows != 1 or slab.fmt.quantized or slab.window is not None or self.rolling is not None or slab.keys is None:
+        if not self.takes_in_place():
             return None
         slab.reserve(s.stop, s.lengths[0] + extra)
         return slab.keys[0][s.start: s.stop], slab.values[0][s.start: s.stop], s.lengths[0]
+
+    def takes_in_place(self) -> bool:
+        """Whether `in_place` applies: one row of native keys, held already, on a layer without a window."""
+        slab = self.slab
+        return self.span.rows == 1 and not slab.fmt.quantized and slab.window is None and self.rolling is None \
+            and slab.keys is not None
 
     def written(self, done: mx.array) -> None:
         """A kernel wrote into the slab in place: whatever reads it from now on waits for `done`."""

@@ -137,8 +137,7 @@ def eligible(cache: list, T: int) -> bool:
             if c.keys is None or c.offset + T > MAX_S:
                 return False
         elif hasattr(c, "in_place"):
-            row = c.in_place(T)
-            if row is None or row[0].dtype != mx.bfloat16 or row[2] + T > MAX_S:
+            if not c.takes_in_place() or c.slab.keys[0].dtype != mx.bfloat16 or c.span.lengths[0] + T > MAX_S:
                 return False
         elif hasattr(c, "update_and_fetch") or c[0] is None or c[1] is None or getattr(c, "record", False):
             return False
