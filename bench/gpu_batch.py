@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -183,7 +184,8 @@ def _scheduler(args: argparse.Namespace, n: int, config: Config):
     log = None
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        log = str(Path(args.log_dir) / f"N{n}-{config.name.replace(' ', '-').replace('α', 'a')}.jsonl")  # ASCII names
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", config.name.replace("α", "a"))
+        log = str(Path(args.log_dir) / f"N{n}-{name}.jsonl")  # letters, digits, dots and dashes only
     return Scheduler(fixed=config.fixed, log_path=log)
 
 

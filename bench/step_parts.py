@@ -180,8 +180,9 @@ def check_one_row(draft, steps: int = 6) -> dict:
     place) against mlx-lm's forward on the same slots, on the device, with the kernels a sublayer
     as a control: rows at slots 0 and 1 of different lengths, each stepped alone; at step 2 the
     row rejects its token (its length stays, the next step writes there again), at step 3 it
-    feeds two tokens. The worst relative logit errors, argmax agreement, and the one-launch calls
-    made (0: the kernel did not run)."""
+    feeds two tokens. The worst relative logit errors, how often each path's argmax agrees with
+    mlx-lm's (bf16 rounding flips near-ties of random weights), and the one-launch calls made
+    (0: the kernel did not run)."""
     import mlx.core as mx
 
     from worker.batch.slotbatch import SlotBatch
@@ -196,7 +197,7 @@ def check_one_row(draft, steps: int = 6) -> dict:
             b.add(rid)
         b.arrange(set(ids))
         b.commit(b.forward(ids, mx.array([[(7 * i + j) % 1000 + 1 for j in range(57)] for i in range(2)]), widths), widths)
-    worst, agree, calls0 = [0.0, 0.0], True, fast.one.calls if fast and fast.one else 0
+    worst, agree, checks, calls0 = [0.0, 0.0], [0, 0], 0, fast.one.calls if fast and fast.one else 0
     for n in range(steps):
         width = 2 if n == 3 else 1  # a row lagging two tokens (after a round that accepted every draft)
         for i, rid in enumerate(ids):
@@ -207,10 +208,13 @@ def check_one_row(draft, steps: int = 6) -> dict:
             g, w, u = (f.logits.astype(mx.float32) for f in fs)
             for j, other in enumerate((g, u)):
                 worst[j] = max(worst[j], (mx.abs(other - w).max() / mx.abs(w).max()).item())
-            agree = agree and bool(mx.array_equal(mx.argmax(g, -1), mx.argmax(w, -1)).item())
+            for j, other in enumerate((g, u)):
+                agree[j] += int(mx.array_equal(mx.argmax(other, -1), mx.argmax(w, -1)).item())
+            checks += 1
     calls = (fast.one.calls if fast and fast.one else 0) - calls0
     return {"one_row_persistent_calls": calls, "one_launch_vs_mlx_lm_worst_relative_error": worst[0],
-            "sublayers_vs_mlx_lm_worst_relative_error": worst[1], "one_launch_argmax_agrees": agree}
+            "sublayers_vs_mlx_lm_worst_relative_error": worst[1],
+            "argmax_agrees_with_mlx_lm": {"one_launch": agree[0], "sublayers": agree[1], "of": checks}}
 
 
 def main() -> None:

@@ -151,9 +151,19 @@ def test_a_draft_after_a_rejection_holds_the_state_of_the_tokens_it_kept(pair, d
     engine.scheduler = Waves(k=3, period=2, on=range(0, 1))
     for i, p in enumerate(PROMPTS[:3]):
         engine.submit(f"r{i}", joint(p, 30))
-    checked = 0
+    checked, _ = drive_checking_draft_states(engine)
+    assert checked > 20 and engine.totals.joint.rollbacks > 0
+
+
+def drive_checking_draft_states(engine: Engine) -> tuple[int, dict[str, list[int]]]:
+    """Steps the engine to its end, checking after every round that each joint row's draft state
+    is the draft's own over the row's tokens up to the draft's length; the checks made and each
+    request's tokens."""
+    checked, out = 0, {}
     while engine.has_work():
-        engine.step()
+        for ev in engine.step():
+            if isinstance(ev, m.TextDelta):
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
         runner = engine.runner
         for rid, row in runner.rows.items():
             n = runner.draft.lengths[rid]
@@ -169,7 +179,30 @@ def test_a_draft_after_a_rejection_holds_the_state_of_the_tokens_it_kept(pair, d
                         a, b = a[..., :n, :], b[..., :n, :]
                     assert mx.allclose(a, b, atol=1e-3, rtol=1e-3).item(), (rid, n, type(got).__name__)
             checked += 1
-    assert checked > 20 and engine.totals.joint.rollbacks > 0
+    return checked, out
+
+
+def test_drafts_two_tokens_behind_catch_up_in_a_forward_of_their_own_where_rows_take_one(pair, monkeypatch):
+    """Where the draft's forward takes many rows only a token each (its rows kernels), a round
+    whose rows lag two tokens (the last round kept every proposal) first feeds the lagging token
+    alone: every step after it is one token a row, outputs stay exact and each draft's state is
+    its own."""
+    fed = []
+    feed = drafts._feed_lacking
+    monkeypatch.setattr(drafts, "_feed_lacking", lambda batch, ids, *a: fed.append(len(ids)) or feed(batch, ids, *a))
+    engine = Engine(pair.target, EngineConfig(max_active=4, prefill_step=16), pair.drafts["copy"])
+    engine.runner.draft.one_token_rows = True
+    engine.scheduler = Waves(k=2, period=1, on=range(0, 1))
+    reqs = {f"r{i}": joint(p, 24) for i, p in enumerate(PROMPTS[:3])}
+    for rid, req in reqs.items():
+        engine.submit(rid, req)
+    checked, got = drive_checking_draft_states(engine)
+    assert checked > 20
+    assert fed and min(fed) > 1  # rows lagged two tokens and caught up together
+    for rid, req in reqs.items():
+        want = drive(Engine(pair.target, EngineConfig(max_active=1)),
+                     {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 
 @pytest.mark.parametrize("budget", [0, 2])

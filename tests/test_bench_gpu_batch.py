@@ -27,4 +27,4 @@ def test_fixed_depths_run_beside_adaptive_with_fixed_schedulers_and_ascii_logs(t
     for s in (fixed, adaptive):
         s.plan(["r0"], 1)
         s.flush_log()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["N8-adaptive-a=0.8.jsonl", "N8-fixed-k=2-a=0.8.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["N8-adaptive-a-0.8.jsonl", "N8-fixed-k-2-a-0.8.jsonl"]

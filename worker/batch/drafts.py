@@ -75,6 +75,8 @@ def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int
                     before=batch.recurrent_rows(batch.span(ids)))
     keep_steps = _nbytes(drafts.before) * (max(ks) - 1) <= STEPS_BYTES
     chosen, widths = [], lags
+    if width > 1 and len(ids) > 1 and batch.one_token_rows:
+        x, widths = _feed_lacking(batch, ids, x, lags, ys)
     for j in range(max(ks)):
         f = batch.forward(ids, x, widths)
         batch.commit(f, widths)
@@ -90,6 +92,16 @@ def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int
         widths = [int(j + 1 < k) for k in ks]
     drafts.tokens = mx.stack(chosen, axis=1) if chosen else drafts.tokens
     return drafts
+
+
+def _feed_lacking(batch: SlotBatch, ids: list[str], x: mx.array, lags: list[int], ys: mx.array):
+    """Feeds what each row lacks before its pending token in a forward of its own (a draft lags
+    two tokens after a round that kept every proposal), so the first proposing step is one token
+    a row; returns that step's tokens and widths."""
+    before = [max(n - 1, 0) for n in lags]
+    f = batch.forward(ids, x[:, : max(before)], before)
+    batch.commit(f, before)
+    return ys.astype(mx.uint32)[:, None], [min(n, 1) for n in lags]
 
 
 def _choose(rows: dict[str, Row], ids: list[str], ks: list[int], j: int, logits: mx.array, ys: mx.array,

@@ -85,7 +85,7 @@ class BatchRunner:
             if model is not None:
                 install_recording(model)
         self.target = SlotBatch(target, kv=kv)
-        self.draft = SlotBatch(draft, draft_forward) if draft is not None else None
+        self.draft = SlotBatch(draft, draft_forward, one_token_rows=draft_forward is not None) if draft is not None else None
         self.prefill_step, self.recovery = prefill_step, recovery
         self.cost = PrefillCost(prefill_step, default_bound_s())  # each round's chunk by its cost (worker/prefill_cost.py)
         self.rows: dict[str, Row] = {}

@@ -54,8 +54,10 @@ class Forwarded:
 
 
 class SlotBatch:
-    def __init__(self, model, forward: Optional[Forward] = None, kv: KVFormat = NATIVE):
-        self.model, self.kv = model, kv
+    def __init__(self, model, forward: Optional[Forward] = None, kv: KVFormat = NATIVE, one_token_rows: bool = False):
+        """`one_token_rows`: `forward` runs many rows cheaply only one token a row (a draft's rows
+        kernels), so wider steps of many rows are best fed a token at a time."""
+        self.model, self.kv, self.one_token_rows = model, kv, one_token_rows
         self.run = forward or (lambda tokens, cache: model(tokens, cache=cache))
         self.layers = slot_layers(model, kv)
         self.lengths: dict[str, int] = {}  # tokens each row's caches hold
