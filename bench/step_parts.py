@@ -146,33 +146,42 @@ def attention(rows: int, length: int, heads: int, kv_heads: int, dim: int, repea
 
 
 def check_rows(draft, rows: int) -> dict:
-    """The draft's rows path (fast_draft.forward_rows) with its kernels against its ops, on the
-    device, over three one-token steps of `rows` rows at staggered lengths: the worst relative error."""
+    """The draft's step of many rows in one launch (persistent_draft.forward_rows) and through its
+    rows kernels (fast_draft.forward_rows) against the rows' ops, on the device, over three
+    one-token steps of `rows` rows at staggered lengths (at the second, row 1 has width 0 and
+    keeps its state): the worst relative errors, argmax agreement and the one-launch calls made."""
     import mlx.core as mx
 
     from worker.batch.slotbatch import SlotBatch
     from worker.kernels import fast_draft
 
-    fast = fast_draft.narrow_forward(draft)
+    one, fast = fast_draft.where_it_runs(draft), fast_draft.narrow_forward(draft)
     ops = (lambda x, c: fast_draft.forward_rows(draft, x, c, fast.layers, kernel=False)
            if x.shape[1] == 1 else draft(x, cache=c))
     ids, widths = [f"c{i}" for i in range(rows)], [40 + 9 * i for i in range(rows)]
-    batches = [SlotBatch(draft, fast), SlotBatch(draft, ops)]
-    worst = 0.0
+    batches = [SlotBatch(draft, f) for f in (one, fast, ops)]
     for b in batches:
         for rid in ids:
             b.add(rid)
         b.arrange(set(ids))
         b.commit(b.forward(ids, mx.array([[(7 * i + j) % 1000 + 1 for j in range(max(widths))] for i in range(rows)]),
                            widths), widths)
+    worst, agree, calls0 = [0.0, 0.0], [0, 0], one.one.calls if one and one.one else 0
     for n in range(3):
         x = mx.array([[(31 * n + 11 * i) % 1000 + 1] for i in range(rows)])
-        got, want = (b.forward(ids, x, [1] * rows) for b in batches)
-        for b, f in zip(batches, (got, want)):
-            b.commit(f, [1] * rows)
-        err = mx.abs(got.logits.astype(mx.float32) - want.logits.astype(mx.float32)).max() / mx.abs(want.logits).max()
-        worst = max(worst, err.item())
-    return {"rows": rows, "rows_path_kernels_vs_ops_worst_relative_error": worst}
+        step = [0 if n == 1 and i == 1 else 1 for i in range(rows)]
+        fs = [b.forward(ids, x, step) for b in batches]
+        for b, f in zip(batches, fs):
+            b.commit(f, step)
+        live = mx.array([i for i, w in enumerate(step) if w])
+        got = [f.logits[live].astype(mx.float32) for f in fs]
+        for j in range(2):
+            worst[j] = max(worst[j], (mx.abs(got[j] - got[2]).max() / mx.abs(got[2]).max()).item())
+            agree[j] += int(mx.array_equal(mx.argmax(got[j], -1), mx.argmax(got[2], -1)).item())
+    calls = (one.one.calls if one and one.one else 0) - calls0
+    return {"rows": rows, "one_launch_calls": calls, "one_launch_vs_ops_worst_relative_error": worst[0],
+            "rows_kernels_vs_ops_worst_relative_error": worst[1],
+            "argmax_agrees_with_ops": {"one_launch": agree[0], "rows_kernels": agree[1], "of": 3}}
 
 
 def check_one_row(draft, steps: int = 6) -> dict:

@@ -104,10 +104,11 @@ def test_a_full_kv_cache_grows_before_the_one_launch_step_writes_into_it():
     assert c.keys is before
 
 
-def test_a_batch_view_of_one_row_hands_the_one_launch_step_its_slot_to_write_in_place():
-    """The one-launch step writes a row's keys into the batch's slab itself: the view gives it
-    that row's slot (a view of the slab, with room for the new positions) and its length; only
-    for one row of native keys on a layer without a window, within the kernel's longest window."""
+def test_a_batch_view_hands_the_one_launch_step_its_slots_to_write_in_place():
+    """The one-launch step writes its rows' keys into the batch's slab itself: the view gives it
+    those rows' slots (views of the slab, with room for the new positions) and their lengths; only
+    for native keys on a layer without a window, within the kernel's longest window (one row: the
+    one-row launch; 2-8 rows of a token each: the rows' launch)."""
     from worker.batch.slots import SlotKV, Span
     from worker.kernels import persistent_draft as pd
     from worker.kvformat import KVFormat
@@ -122,13 +123,19 @@ def test_a_batch_view_of_one_row_hands_the_one_launch_step_its_slot_to_write_in_
     state = StateView([mx.zeros((1, 3, 16)), mx.zeros((1, 2, 4, 4))], None, record=False)
     one = s.view(Span(1, 2, (57,), (1,)), mx.array([57]))
     k, v, n = one.in_place(200)  # past the slab's 256 positions: it grows first
-    assert n == 57 and k.shape == (1, 2, 512, 8) and s.keys[0].shape == (2, 2, 512, 8)
+    assert n == (57,) and k.shape == (1, 2, 512, 8) and s.keys[0].shape == (2, 2, 512, 8)
     assert mx.array_equal(k[:, :, :60], keys[1:2]).item() and mx.array_equal(v[:, :, :60], keys[1:2] + 1).item()
     assert pd.eligible([one, state], 1)
     before = s.keys[0]
     one.written(mx.zeros((1,), mx.uint32))  # later readers wait for the kernel; the slab holds what it held
     assert s.keys[0] is not before and mx.array_equal(s.keys[0], before).item()
-    assert s.view(Span(0, 2, (57, 40), (1, 1)), mx.array([57, 40])).in_place(1) is None  # two rows
+    two = s.view(Span(0, 2, (57, 40), (1, 0)), mx.array([57, 40]))  # two rows: their slots and lengths
+    k2, _, lengths = two.in_place(1)
+    assert lengths == (57, 40) and k2.shape == (2, 2, 512, 8) and mx.array_equal(k2[:, :, :60], keys).item()
+    states = StateView([mx.zeros((2, 3, 16)), mx.zeros((2, 2, 4, 4))], mx.array([1, 0]), record=False)
+    assert not pd.eligible([two, states], 1) and pd.rows_eligible([two, states])  # the rows' launch takes them
+    assert not pd.rows_eligible([one, state])  # one row: the one-row launch
+    assert not pd.rows_eligible([s.view(Span(0, 2, (4096, 40), (1, 1)), mx.array([4096, 40])), states])  # past MAX_S
     assert not pd.eligible([s.view(Span(1, 2, (4096,), (1,)), mx.array([4096])), state], 1)  # past MAX_S
     assert slab(window=32)[0].view(Span(1, 2, (57,), (1,)), mx.array([57])).in_place(1) is None
     q, wide = SlotKV(fmt=KVFormat(bits=4, group_size=32)), mx.zeros((1, 2, 8, 32), mx.bfloat16)

@@ -111,12 +111,14 @@ class BatchRunner:
     def _warm_rounds(self, tokens: list[int], widest: int) -> None:
         """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
         of unequal lengths, and off the CPU of one joint row at every depth (its draft takes the
-        one-launch step): what a round compiles (gathers, scatters, recovery) the first time it runs at a
-        shape (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
-        if self.draft is None or self.rows or len(tokens) < 8:
+        one-launch step) and of 3 and 5 rows (the draft's launch of many rows pads to 4 and 8):
+        what a round compiles (gathers, scatters, recovery) the first time it runs at a shape
+        (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
+        if self.draft is None or self.rows or len(tokens) < 16:
             return
-        one_row = range(1, widest) if mx.default_device() != mx.cpu else ()  # the CPU builds nothing per shape
-        for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, one_row)):
+        gpu = mx.default_device() != mx.cpu  # the CPU builds nothing per shape
+        one_row, many = (range(1, widest), [1]) if gpu else ((), ())
+        for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, one_row), (3, many), (5, many)):
             if not depths:
                 continue
             ids = [f"{WARM}{i}" for i in range(rows)]

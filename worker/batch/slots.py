@@ -193,22 +193,21 @@ class KVView:
             mask = mask & ((k[None, None, :] < keep) | (k[None, None, :] > q[:, :, None] - reach))
         return mask[:, None]
 
-    def in_place(self, extra: int) -> Optional[tuple[mx.array, mx.array, int]]:
-        """For a kernel that writes one row's new keys and values into the slab itself: the row's
-        keys and values (views of its slot, with room for `extra` more positions) and its length;
-        None unless the view is one row of native keys on a layer without a window. The kernel's
-        caller then calls `written`."""
+    def in_place(self, extra: int) -> Optional[tuple[mx.array, mx.array, tuple]]:
+        """For a kernel that writes its rows' new keys and values into the slab itself: the rows'
+        keys and values (views of their slots, with room for `extra` more positions) and their
+        lengths; None unless the view holds native keys on a layer without a window. The
+        kernel's caller then calls `written`."""
         s, slab = self.span, self.slab
         if not self.takes_in_place():
             return None
-        slab.reserve(s.stop, s.lengths[0] + extra)
-        return slab.keys[0][s.start: s.stop], slab.values[0][s.start: s.stop], s.lengths[0]
+        slab.reserve(s.stop, max(s.lengths) + extra)
+        return slab.keys[0][s.start: s.stop], slab.values[0][s.start: s.stop], s.lengths
 
     def takes_in_place(self) -> bool:
-        """Whether `in_place` applies: one row of native keys, held already, on a layer without a window."""
+        """Whether `in_place` applies: native keys, held already, on a layer without a window."""
         slab = self.slab
-        return self.span.rows == 1 and not slab.fmt.quantized and slab.window is None and self.rolling is None \
-            and slab.keys is not None
+        return not slab.fmt.quantized and slab.window is None and self.rolling is None and slab.keys is not None
 
     def written(self, done: mx.array) -> None:
         """A kernel wrote into the slab in place: whatever reads it from now on waits for `done`."""

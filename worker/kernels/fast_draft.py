@@ -217,6 +217,11 @@ class NarrowForward:
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
         if _rows_eligible(inputs, cache):
+            if self.one is not None and persistent_draft.rows_eligible(cache):
+                try:
+                    return persistent_draft.forward_rows(self.model, inputs, cache, self.one)
+                except RuntimeError:  # a barrier timed out: the rows kernels from now on
+                    self.one = None
             return forward_rows(self.model, inputs, cache, self.layers, dk.available(self.layers[0].ln1.dtype))
         if not _eligible(inputs, cache, self.widest):
             return self.model(inputs, cache=cache)
