@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=560)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warps", type=int, nargs="*", default=[], help="also the layers' launch at these warps a block")
+    p.add_argument("--check", action="store_true", help="first check the launches against the ops (bench.step_parts)")
     p.add_argument("--f32", action="store_true", help="also the layers' launch staging its inputs as float32")
     p.add_argument("--skip", type=int, nargs="*", default=[],
                    help="also the layers' launch leaving these phases out (persistent_draft._Weights.skip masks)")
@@ -44,7 +45,6 @@ def main() -> None:
 
     from bench import gpu_models as gb
     from worker.batch.slotbatch import SlotBatch
-    from worker.kernels import draft as dk
     from worker.kernels import fast_draft
     from worker.kernels import persistent_draft as pd
 
@@ -53,6 +53,12 @@ def main() -> None:
     if one is None or one.one is None:
         raise SystemExit("the one-launch step runs on a CUDA GPU only")
     w, text = one.one, draft.language_model
+    if a.check:
+        from bench.step_parts import check_one_row, check_rows
+
+        for rows in (r for r in a.rows if r > 1):
+            print(json.dumps(check_rows(draft, rows)), flush=True)
+        print(json.dumps(check_one_row(draft)), flush=True)
     for rows in a.rows:
         batch = SlotBatch(draft, one)
         ids = [f"r{i}" for i in range(rows)]
@@ -73,7 +79,7 @@ def main() -> None:
             return pd.layers_step(draft, w, h, v) if rows == 1 else pd.rows_step(draft, w, h, v)
 
         def head():
-            return dk.gemv(h, text.model.embed_tokens.weight, text.model.norm.weight, text.model.norm.eps)
+            return pd.head_logits(draft, h)
 
         line = {"rows": rows, "launch_rows": TP, "length": a.length,
                 "step_ms": _time(lambda: batch.forward(ids, step, [1] * rows).logits, a.repeats),

@@ -268,7 +268,7 @@ def forward(model, inputs: mx.array, cache: list, w: _Weights) -> mx.array:
     """Logits [1, T, V] of one sequence's T tokens: the layers in one launch, the head in another."""
     _count(w)
     h = model.language_model.model.embed_tokens(inputs).reshape(inputs.shape[1], -1)
-    return _head(model, layers_step(model, w, h, cache))[None]
+    return head_logits(model, layers_step(model, w, h, cache))[None]
 
 
 def forward_rows(model, inputs: mx.array, cache: list, w: _Weights) -> mx.array:
@@ -279,7 +279,7 @@ def forward_rows(model, inputs: mx.array, cache: list, w: _Weights) -> mx.array:
     TP = next(n for n in ROWS if n >= R)
     x = inputs if TP == R else mx.concatenate([inputs, mx.zeros((TP - R, 1), inputs.dtype)])
     h = model.language_model.model.embed_tokens(x).reshape(TP, -1)
-    return _head(model, rows_step(model, w, h, cache))[:R, None]
+    return head_logits(model, rows_step(model, w, h, cache))[:R, None]
 
 
 def _count(w: _Weights) -> None:
@@ -288,8 +288,12 @@ def _count(w: _Weights) -> None:
         raise RuntimeError("the one-launch draft step's barrier timed out (its blocks were not all resident)")
 
 
-def _head(model, h: mx.array) -> mx.array:
+def head_logits(model, h: mx.array) -> mx.array:
+    """The logits of the final norm of h [T, H]: for many rows the norm runs once, not in each of
+    the head's blocks (tens of thousands of them, each a pass over every row)."""
     text = model.language_model
     norm = text.model.norm
     head = text.model.embed_tokens.weight if text.args.tie_word_embeddings else text.lm_head.weight
+    if h.shape[0] > 1:
+        return dk.gemv(mx.fast.rms_norm(h, norm.weight, norm.eps), head)
     return dk.gemv(h, head, norm.weight, norm.eps)
