@@ -83,6 +83,26 @@ def test_a_row_restored_from_caches_goes_on_as_one_never_taken_out(model):
     assert mx.allclose(f.logits[0], f.logits[1], atol=1e-5).item()
 
 
+def test_rows_snapshotted_as_they_leave_in_turn_hold_their_own_tokens(model):
+    """Rows leave one by one, each copied out just before (as finished requests are kept): each
+    copy holds exactly its row's tokens, and the rows left decode on exactly."""
+    batch, tokens = SlotBatch(model), {}
+    for i in range(4):
+        batch.add(f"r{i}")
+        tokens[f"r{i}"] = [3 + 7 * i + j for j in range(3 + i)]
+    ids = batch.arrange(set(tokens))
+    width = max(len(t) for t in tokens.values())
+    x = mx.array([tokens[r] + [0] * (width - len(tokens[r])) for r in ids], dtype=mx.uint32)
+    batch.commit(batch.forward(ids, x, [len(tokens[r]) for r in ids]), [len(tokens[r]) for r in ids])
+    for rid in ["r0", "r2"]:
+        assert _same(st.cache_arrays(batch.row_cache(rid)), _sequential(model, tokens.pop(rid)))
+        batch.remove(rid)
+    ids = batch.arrange(set(tokens))
+    batch.commit(batch.forward(ids, mx.array([[11]] * len(ids), dtype=mx.uint32), [1] * len(ids)), [1] * len(ids))
+    for rid in ids:
+        assert _same(st.cache_arrays(batch.row_cache(rid)), _sequential(model, tokens[rid] + [11]))
+
+
 def test_a_request_moves_only_along_its_phases():
     assert advance(Phase.WAITING, Phase.PREFILL) == Phase.PREFILL
     assert advance(Phase.PREFILL, Phase.DECODE) == Phase.DECODE

@@ -209,9 +209,8 @@ class SlotBatch:
 
     def row_cache(self, rid: str) -> list:
         """A copy of a row's state as mlx-lm caches (KVCache or QuantizedKVCache, ArraysCache)
-        holding its length."""
-        self.settle()
-        slot, n = self.order.index(rid), self.lengths[rid]
+        holding its length, read where the row sits: no row moves for a copy."""
+        slot, n = self._slot_now(rid), self.lengths[rid]
         out = []
         for layer in self.layers:
             if isinstance(layer, SlotKV):
@@ -221,6 +220,15 @@ class SlotBatch:
                 c.cache = [None if a is None else mx.array(a) for a in layer.row(slot)]
                 out.append(c)
         return out
+
+    def _slot_now(self, rid: str) -> int:
+        """The slot a row's state is in now; a joining row's is placed first. Rows leaving one by
+        one move the rows after them only at the next forward, once (16 rows snapshotted and
+        leaving in turn took 2.2 s, each copy moving the slab, against 0.05 s)."""
+        if rid in self._fresh or rid not in self._held:
+            self.settle()
+            return self.order.index(rid)
+        return self._held.index(rid)
 
     def arrays(self) -> list[mx.array]:
         """Every array of the batch's state (to evaluate it)."""
