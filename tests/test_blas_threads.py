@@ -1,4 +1,5 @@
-"""The BLAS's threads by phase: every core for rounds that prefill, one fewer for decode rounds."""
+"""The BLAS's threads by phase: every core for rounds that prefill, one fewer for decode rounds unless
+calibrated otherwise."""
 
 from __future__ import annotations
 
@@ -74,3 +75,37 @@ def test_a_small_prefill_stays_on_the_decode_threads(phases, monkeypatch, tiny_l
     assert set(seen) == {1}
     blas_threads.use(prefill_work=16 * 135e6)  # the embedded model's 16-token prefill is
     assert blas_threads_now() == 2
+
+
+def test_decode_rounds_take_the_count_that_timed_faster_at_their_size(phases, monkeypatch):
+    """All cores win at 4 rows but not by the margin at one: one-row rounds keep the default,
+    rounds of 4 rows and more take every core, as the BLAS itself then reports."""
+    monkeypatch.setattr(blas_threads, "calibration", blas_threads.Calibration())
+    times = {(1, 1): 0.040, (1, 2): 0.039, (4, 1): 0.090, (4, 2): 0.060}
+    timed = []
+
+    def round_seconds(rows: int) -> float:
+        timed.append((rows, blas_threads_now()))
+        return times[(rows, blas_threads_now())]
+
+    out = blas_threads.calibrate(round_seconds, [1, 4])
+    assert out.chosen == {1: 1, 4: 2}
+    assert sorted(set(timed)) == sorted(times)  # each size timed at both counts, through the real BLAS
+    for rows, threads in [(1, 1), (3, 1), (4, 2), (16, 2)]:
+        blas_threads.use(rows=rows)
+        assert blas_threads_now() == threads
+    blas_threads.use(prefill_work=1.0, rows=1)
+    assert blas_threads_now() == 2
+
+
+def test_the_engine_times_its_rounds_on_rows_that_then_leave(phases, monkeypatch, tiny_llama_lm):
+    monkeypatch.setattr(blas_threads, "calibration", blas_threads.Calibration())
+    engine = Engine(tiny_llama_lm, EngineConfig(max_active=2))
+    out = engine.calibrate_threads()
+    assert sorted(out.seconds) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(t > 0 for t in out.seconds.values())
+    assert not engine.runner.rows and not len(engine.runner.target)
+    engine.submit("a", m.GenerateRequest(messages=[m.Message("user", "Hello there")], max_tokens=3, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+    assert engine.totals.finished == 1

@@ -24,6 +24,7 @@ from protocol import messages as m
 from worker import blas_threads, memory, thinking
 from worker.batch.rows import Acceptor, Chooser, CycleStats, Phase, Row, RowOutcome, advance
 from worker.batch.runner import BatchRunner, play
+from worker.batch.timing import PlainRounds
 from worker.context import ContextPolicy, ContextRefused, rolling_refusal
 from worker.emit import Emitter, QueuedRequest
 from worker.kernels import fast_draft
@@ -34,8 +35,12 @@ from worker.loader import LoadedModel
 from worker.residency import empty_weights
 from worker.sampling import SamplingInvalid, sampling_for
 from worker.scheduler import POSITIONS, Scheduler
+from worker.scheduler.cost import CostModel
 from worker.state.reuse import Held, Plan, PrefixCache, Start
 from worker.text import PromptInvalid, answer_message, render_prompt
+
+CALIBRATE_ROWS = 4  # the BLAS's threads are timed at one row and this many (worker/blas_threads.py)
+CALIBRATE_ROUNDS = 4  # timed plain rounds at each (rows, threads)
 
 
 @dataclass
@@ -253,7 +258,7 @@ class Engine:
         """Prompt chunks, then one forward of every decoding row with the scheduler's drafts; the
         round's time, less what was paid apart, feeds the scheduler."""
         by_id = {r.id: r for r in self._active}
-        blas_threads.use(self._params * self.runner.prefill_next())
+        blas_threads.use(self._params * self.runner.prefill_next(), len(self._active))
         try:
             rnd = play(self.runner, self.scheduler, lambda rid: self._tokens_left(by_id[rid]))
         except Exception as e:  # the batch's state is unknown after a failed forward: its rows end
@@ -436,6 +441,22 @@ class Engine:
         req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
         with mx.stream(generation_stream):
             self.runner.warm(self._render(req) * 16, POSITIONS + 1)
+
+    def calibrate_threads(self) -> Optional[blas_threads.Calibration]:
+        """Times plain rounds at each BLAS thread count on an empty batch, so decode rounds take the
+        faster (worker/blas_threads.py); the scheduler's round costs, measured at the count before,
+        start anew where it changed. A single process only (a group's ranks would time apart)."""
+        before = [blas_threads.calibration.threads(n) for n in range(1, self.config.max_active + 1)]
+        req = m.GenerateRequest(messages=[m.Message("user", "Hello")], max_tokens=1)
+        rounds = PlainRounds(self.runner, self._render(req) * 2, CALIBRATE_ROUNDS)
+        try:
+            with mx.stream(generation_stream):
+                out = blas_threads.calibrate(rounds, sorted({1, min(CALIBRATE_ROWS, self.config.max_active)}))
+        finally:
+            rounds.close()
+        if out is not None and [out.threads(n) for n in range(1, self.config.max_active + 1)] != before:
+            self.scheduler.cost = CostModel()
+        return out
 
     def warmup(self) -> None:
         """Runs the shapes serving uses (prefill chunk, one-token decode) once before READY."""

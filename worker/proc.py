@@ -353,6 +353,10 @@ def run_worker(argv: list[str] | None = None) -> int:
         log.error("%s", problem)
         return 3
     engine.warmup()
+    calibrated = engine.calibrate_threads()  # after the warm-up: the stack's other processes are up by then
+    if calibrated:
+        log.info("BLAS threads by decode rows: %s (plain round ms by rows, threads: %s)", calibrated.chosen,
+                 {k: round(v * 1000, 1) for k, v in calibrated.seconds.items()})
     if args.prefix_cache:
         engine.reuse = _prefix_cache(args, lm, draft, engine.draft_id)
     proc = WorkerProc(engine, lm, args.runtime_dir, Residency(engine, lambda: _reload(args), args.idle_unload_s))
