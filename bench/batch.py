@@ -149,6 +149,7 @@ def run_batch(args: argparse.Namespace) -> int:
     ns = [int(x) for x in args.ns.split(",")]
     lm = load_model(args.model)
     extra = ("--max-active", str(max(ns)), "--queue-size", str(max(ns)))
+    extra += ("--decision-log", args.decision_log) if args.decision_log else ()
     sides = ["batchgenerator", "http"] + ([] if args.no_joint else ["joint"])
     runs: dict[tuple[str, int], list[dict]] = {(side, n): [] for side in sides for n in ns}
     with start_stack(args, extra + (() if args.no_joint else ("--draft", args.draft))) as stack:
@@ -239,5 +240,7 @@ def add_command(benches) -> None:
     p.add_argument("--long-mode", choices=("baseline", "joint"), default="baseline",
                    help="with --long-prompt: the arriving prompt's mode (joint: the stack's draft)")
     p.add_argument("--url", default=None, help="with --long-prompt: a running stack's URL instead of starting one")
+    p.add_argument("--decision-log", metavar="FILE", default=None,
+                   help="the stack's scheduler decisions, as JSON lines (verity replay FILE)")
     p.add_argument("--json", action="store_true", help="also print all figures as one JSON line (last on stdout)")
     p.set_defaults(run=run_batch)
