@@ -40,6 +40,7 @@ class Run:
     accepted: int = 0
     rounds: list = field(default_factory=list)  # each timed round's seconds
     shapes: list = field(default_factory=list)  # each timed round's (rows, widest draft, drafted tokens)
+    one_launch: str = ""  # the draft's one-launch step after the run: on, timed out (its flag set), off
 
     @property
     def stalls(self) -> str:
@@ -133,7 +134,20 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
     wall = time.perf_counter() - t0
     stats = [r.stats for r in rows.values() if r.stats is not None]
     return Run(list(out.values()), sum(map(len, out.values())) - counted, wall,
-               sum(s.drafted for s in stats), sum(s.accepted for s in stats), rounds, shapes)
+               sum(s.drafted for s in stats), sum(s.accepted for s in stats), rounds, shapes,
+               _one_launch(draft_forward))
+
+
+def _one_launch(forward) -> str:
+    """Whether the draft's one-launch step is on, timed out in a barrier since it was last asked, or off."""
+    from worker.kernels import persistent_draft
+
+    one = getattr(forward, "one", None)
+    if forward is None:
+        return ""
+    if one is None:
+        return "off"
+    return "timed out" if persistent_draft.failed(one) else "on"
 
 
 class _Planner:
@@ -216,7 +230,7 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
             scheds[c.name].flush_log()
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
-            + f" [stalls {v[-1].stalls}]"
+            + f" [stalls {v[-1].stalls}]" + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
             for k, v in runs.items()))
     return runs
 

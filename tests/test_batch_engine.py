@@ -94,6 +94,18 @@ def test_the_warm_up_drafts_in_rounds_of_two_rows_and_leaves_the_batch_empty(pai
     assert drive(engine, {0: [("j", joint(PROMPTS[0], 12))]}) == {"j": alone["r"]}
 
 
+def test_the_warm_up_for_a_gpu_catches_up_one_lagging_row_while_the_others_ride_along(pair):
+    """Where every shape builds kernels, the warm-up also plays joint rows left behind past
+    CATCH_UP_LAG: one catches up and drafts while the others feed nothing (a mixed batch's shapes)."""
+    counting = CountingModel(pair.drafts["copy"].model)
+    engine = Engine(pair.target, EngineConfig(max_active=4), dataclasses.replace(pair.drafts["copy"], model=counting))
+    engine.runner.warm(list(range(3, 40)), POSITIONS + 1, every_shape=True)
+    assert any(rows == 4 and width > drafts.CATCH_UP_LAG for rows, width in counting.shapes)
+    assert not engine.has_work() and len(engine.runner.target) == 0 and len(engine.runner.draft) == 0
+    alone = drive(engine, {0: [("r", chat(PROMPTS[0], 12))]})
+    assert drive(engine, {0: [("j", joint(PROMPTS[0], 12))]}) == {"j": alone["r"]}
+
+
 @pytest.mark.parametrize("draft", ["copy", "perturbed"])
 def test_drafting_joint_rows_beside_baseline_rows_decode_as_each_alone(pair, draft):
     """Joint rows drafting every round (accepting all or some) in the batch's forward, with

@@ -92,10 +92,11 @@ class BatchRunner:
         self._last: Optional[tuple[list[str], mx.array]] = None  # the last plain round's rows and tokens
         self._drafting_rounds = 0
 
-    def warm(self, tokens: list[int], widest: int) -> None:
+    def warm(self, tokens: list[int], widest: int, every_shape: Optional[bool] = None) -> None:
         """Runs every forward width serving uses once (verifies up to `widest`, recorded; the
         draft's first steps), on a row of its own that then leaves: a GPU compiles a kernel the
-        first time it meets a shape, which would stall a round. Only on an empty batch."""
+        first time it meets a shape, which would stall a round. Only on an empty batch.
+        `every_shape`: also the rounds whose shapes only a GPU builds for (default: off the CPU)."""
         for batch, widths, record in ((self.target, range(1, widest + 1), self.draft is not None),
                                       (self.draft, range(1, dr.CATCH_UP_LAG + 1), False)):
             if batch is None or len(batch):
@@ -106,9 +107,9 @@ class BatchRunner:
                 batch.commit(f, [1] if record else [w])
                 mx.eval(batch.arrays())
             batch.remove(WARM)
-        self._warm_rounds(tokens, widest)
+        self._warm_rounds(tokens, widest, mx.default_device() != mx.cpu if every_shape is None else every_shape)
 
-    def _warm_rounds(self, tokens: list[int], widest: int) -> None:
+    def _warm_rounds(self, tokens: list[int], widest: int, gpu: bool) -> None:
         """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
         of unequal lengths, and off the CPU of one joint row at every depth (its draft takes the
         one-launch step) and of 3 and 5 rows (the draft's launch of many rows pads to 4 and 8):
@@ -116,21 +117,25 @@ class BatchRunner:
         (seconds on a GPU: docs/benchmarks.md, "Shapes on a GPU")."""
         if self.draft is None or self.rows or len(tokens) < 16:
             return
-        gpu = mx.default_device() != mx.cpu  # the CPU builds nothing per shape
         one_row, many = (range(1, widest), [1]) if gpu else ((), ())
         for rows, depths in ((2, sorted({0, 1, widest - 1})), (1, one_row), (3, many), (5, many)):
-            if not depths:
-                continue
-            ids = [f"{WARM}{i}" for i in range(rows)]
-            for i, rid in enumerate(ids):
-                self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
-            while any(self.rows[rid].phase == Phase.PREFILL for rid in ids):
-                self.prefill()
-            for k in depths:
-                self.decode({rid: k for rid in ids})
-                mx.eval(self.target.arrays(), self.draft.arrays())
-            for rid in ids:
-                self.leave(rid)
+            if depths:
+                self._warm_joint(tokens, rows, [{i: k for i in range(rows)} for k in depths])
+        if gpu:  # rows left behind past CATCH_UP_LAG catch up while others ride at width 0
+            self._warm_joint(tokens, 4, [{}] * (dr.CATCH_UP_LAG + 1) + [{0: 2}, {0: 1, 1: 2}])
+
+    def _warm_joint(self, tokens: list[int], rows: int, plans: list[dict[int, int]]) -> None:
+        """Rounds of `rows` joint rows of unequal lengths, each plan drafting k for row i."""
+        ids = [f"{WARM}{i}" for i in range(rows)]
+        for i, rid in enumerate(ids):
+            self.join(Row(rid, tokens[: len(tokens) - 3 * i], RowSampling(), make_key_fn(0), joint=True))
+        while any(self.rows[rid].phase == Phase.PREFILL for rid in ids):
+            self.prefill()
+        for plan in plans:
+            self.decode({ids[i]: k for i, k in plan.items()})
+            mx.eval(self.target.arrays(), self.draft.arrays())
+        for rid in ids:
+            self.leave(rid)
 
     # ---- membership ----
 
