@@ -71,7 +71,7 @@ def test_a_scheduler_logs_every_decision_held_round_and_round_time_in_that_forma
     k = decision["allocation"][0]
     assert decision["cost_table"] == {"1,0,0": 0.030, "1,1,1": 0.036} and k > 0
     assert observed == {"round": 1, "observed": 0.036, "shape": [1, k, k], "complete": True, "reason": "",
-                        "apart": {"draft catch-up": [0.004, 6, 2]}, "draft_s": 0.0}
+                        "apart": {"draft catch-up": [0.004, 6, 2]}, "draft_s": 0.0, "cycles": [["a", k, k]]}
     assert held == {"round": 2, "requests": ["a"], "held": True, "allocation": [k]} and len(recs) == 6
     assert replay(log.read_text().splitlines()) == []
 

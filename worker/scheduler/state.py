@@ -59,6 +59,7 @@ class Scheduler:
         self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
         self.never_lose = NeverLose()  # drafting that loses to plain rounds stops (window.py)
         self._accepted = 0  # drafts the planned round's cycles accepted
+        self._cycles: list[tuple[str, int, int]] = []  # the round's drafting cycles: request, drafted, accepted (logged)
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -103,7 +104,7 @@ class Scheduler:
                 self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
-        self._accepted = 0
+        self._accepted, self._cycles = 0, []
         if self.fixed is None:
             self._fade(joint_ids, lengths)
         self._round = Cell(n_requests, drafted, max(lengths, default=0))
@@ -262,6 +263,8 @@ class Scheduler:
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
         self._accepted += n
+        if k:
+            self._cycles.append((request_id, k, n))
         if self._probing and n:
             self._probe_left -= n
             self._probe_hit = self._probe_left < 0
@@ -286,6 +289,7 @@ class Scheduler:
         """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
         catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds, or (seconds,
         tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
+        cycles, self._cycles = self._cycles, []
         if self._round is None:
             return
         if complete and self.cost.stalled(self._round, seconds):  # no sample of drafting or of plain rounds
@@ -294,6 +298,7 @@ class Scheduler:
         if self._log:
             self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
                               "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s,
+                              **({"cycles": [list(c) for c in cycles]} if cycles else {}),
                               **({"stopped": stop.to_log()} if stop else {})})
         for why, paid in (apart or {}).items():
             paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
