@@ -142,12 +142,11 @@ def _one_launch(forward) -> str:
     """Whether the draft's one-launch step is on, timed out in a barrier since it was last asked, or off."""
     from worker.kernels import persistent_draft
 
-    one = getattr(forward, "one", None)
     if forward is None:
         return ""
-    if one is None:
+    if forward.one is None:
         return "off"
-    return "timed out" if persistent_draft.failed(one) else "on"
+    return "timed out" if persistent_draft.failed(forward.one) else "on"
 
 
 class _Planner:

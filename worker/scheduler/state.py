@@ -58,8 +58,7 @@ class Scheduler:
         self._explorable = True  # the held decision leads plain by less than EXPLORE_MARGIN (see `plan`)
         self._peak = (0, 0)  # the most requests a decision saw lately, and its round (a batch's tail is under it)
         self.never_lose = NeverLose()  # drafting that loses to plain rounds stops (window.py)
-        self._accepted = 0  # drafts the planned round's cycles accepted
-        self._cycles: list[tuple[str, int, int]] = []  # the round's drafting cycles: request, drafted, accepted (logged)
+        self._cycles: list[tuple[str, int, int]] = []  # the planned round's drafting cycles: request, drafted, accepted
 
     def plan(self, joint_ids: list[str], n_requests: int, behind: Sequence[bool] | None = None,
              room: Sequence[int] | None = None, ahead: Sequence[bool] | None = None,
@@ -104,7 +103,7 @@ class Scheduler:
                 self._hold_left = max(self._hold_left, PIPELINE_WARM_ROUNDS)
         drafted = sum(lengths)
         self.rounds_without_draft = 0 if drafted else self.rounds_without_draft + 1
-        self._accepted, self._cycles = 0, []
+        self._cycles = []
         if self.fixed is None:
             self._fade(joint_ids, lengths)
         self._round = Cell(n_requests, drafted, max(lengths, default=0))
@@ -262,7 +261,6 @@ class Scheduler:
             self.overall.fade(recent=plain, toward=self.longrun.rates() if plain else None)
 
     def observe_cycle(self, request_id: str, k: int, n: int) -> None:
-        self._accepted += n
         if k:
             self._cycles.append((request_id, k, n))
         if self._probing and n:
@@ -289,7 +287,6 @@ class Scheduler:
         """The round's time, less `apart`: switching costs its requests paid on their own (a draft's
         catch-up, a discarded look-ahead), recorded apart by reason ({reason: seconds, or (seconds,
         tokens and pieces its catch-ups fed)}); `draft_s`: what of it its drafting took."""
-        cycles, self._cycles = self._cycles, []
         if self._round is None:
             return
         if complete and self.cost.stalled(self._round, seconds):  # no sample of drafting or of plain rounds
@@ -298,7 +295,7 @@ class Scheduler:
         if self._log:
             self._log.record({"round": self.rounds, "observed": seconds, "shape": list(self._round),
                               "complete": complete, "reason": reason, "apart": dict(apart or {}), "draft_s": draft_s,
-                              **({"cycles": [list(c) for c in cycles]} if cycles else {}),
+                              **({"cycles": [list(c) for c in self._cycles]} if self._cycles else {}),
                               **({"stopped": stop.to_log()} if stop else {})})
         for why, paid in (apart or {}).items():
             paid_s, *fed = paid if isinstance(paid, (tuple, list)) else (paid, 0, 0)
@@ -319,7 +316,8 @@ class Scheduler:
             return None
         paid = sum(p[0] if isinstance(p, (tuple, list)) else p for p in (apart or {}).values())
         n, b = self._round.n, self._round.b
-        return self.never_lose.observe(n, self.rounds, n + self._accepted, (seconds + paid) / self.cost.pace, b,
+        emitted = n + sum(accepted for _, _, accepted in self._cycles)
+        return self.never_lose.observe(n, self.rounds, emitted, (seconds + paid) / self.cost.pace, b,
                                        bool(b) and self._probing, switched)
 
     def window(self, n: int) -> WindowState:
