@@ -49,14 +49,17 @@ def lag(batch: SlotBatch, row: Row) -> int:
 
 def catch_up(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int]) -> int:
     """Drafting rows more than CATCH_UP_LAG behind feed all they lack but the pending token, in
-    one forward; the tokens fed (0: none was behind)."""
+    one forward of the slots from the first such row to the last (`ids` in slot order: the rows
+    outside them are not computed at all); the tokens fed (0: none was behind)."""
     feeds = [row.seq[batch.lengths[rid]:] if k and lag(batch, row) > CATCH_UP_LAG else []
              for rid, k, row in ((r, k, rows[r]) for r, k in zip(ids, ks))]
-    width = max(map(len, feeds))
-    if not width:
+    behind = [i for i, f in enumerate(feeds) if f]
+    if not behind:
         return 0
+    span = slice(behind[0], behind[-1] + 1)
+    feeds, width = feeds[span], max(map(len, feeds))
     x = mx.array([f + [0] * (width - len(f)) for f in feeds])
-    f = batch.forward(ids, x, [len(f) for f in feeds])
+    f = batch.forward(ids[span], x, [len(f) for f in feeds])
     batch.commit(f, [len(f) for f in feeds])
     return sum(map(len, feeds))
 
