@@ -9,7 +9,7 @@ import pytest
 
 from worker.round import Cell
 from worker.scheduler import (FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Probe, Scheduler,
-                              decide, estimate, probe_interval, survivals)
+                              decide, estimate, plausible_acceptance, probe_interval, survivals)
 from worker.scheduler.decide import _best
 
 
@@ -158,6 +158,19 @@ def test_probes_come_as_often_as_their_expected_loss_allows():
     d = decide([[0.05], [0.1], []], 3, {Cell(3, 0, 0): 1.0, Cell(3, 2, 1): 1.5}, 8, probe=True)
     assert d.allocation == [1, 1, 0] and d.budget == 2  # the third request has no room
 
+
+def test_one_dear_first_drafting_round_does_not_stop_the_probes():
+    """A server's first drafting round, two warm-up rows on the CPU, took 2.3 plain rounds (112 ms
+    beside 48): read alone it priced one row's drafting past paying with every draft accepted, and
+    the lone request whose drafting pays 1.3x there stayed plain for its whole first run (probes
+    every HOPELESS_EVERY rounds). Hopelessness rests on drafting cells of MIN_SAMPLES rounds."""
+    table = {Cell(1, 0, 0): 0.0488, Cell(2, 0, 0): 0.0480, Cell(2, 1, 1): 0.1123}
+    rounds = {Cell(1, 0, 0): 13, Cell(2, 0, 0): 4, Cell(2, 1, 1): 1}
+    assert probe_interval(table, 1, rounds, first=[0.3]) < HOPELESS_EVERY
+    uncertain = plausible_acceptance(1, 5)  # few observations yet: probes may cost UNCERTAIN_SHARE
+    assert probe_interval(table, 1, rounds, first=[0.3], plausible=uncertain) == PROBE_EVERY
+    measured = {**rounds, Cell(2, 1, 1): MIN_SAMPLES}
+    assert probe_interval(table, 1, measured, first=[0.3], plausible=uncertain) == HOPELESS_EVERY
 
 def test_a_lone_request_probes_the_best_drafting_allocation():
     """The H200's 0.8 B draft: k = 1 costs 2.3 plain rounds and k = 8 3.1, so a k = 1 probe can

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from worker.round import FREE_SIT_OUT, Cell
 from worker.scheduler.allocation import POSITIONS
+from worker.scheduler.cost import MIN_SAMPLES
 from worker.scheduler.table import _reach, estimate, padding
 
 PROBE_ROWS = 8  # a probe drafts for one joint request in this many (at least one) ...
@@ -91,7 +92,8 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
     cost = estimate(table, n_requests, max(1, sum(probe.lengths)), max([1, *probe.lengths]), counts, draft_step)
     if not plain or cost is None or not first:
         return PROBE_EVERY
-    if not _could_pay(table, n_requests, len(first), counts, plain, draft_step):
+    trusted = _trusted(table, counts)
+    if not _could_pay(trusted, n_requests, len(first), counts, plain, draft_step):
         return HOPELESS_EVERY
     expected = plain * (n_requests + probe.gain) / n_requests  # plain time for what a probe yields
     loss = cost - expected + (discard or 0.0) + restart + _follow_ups(probe) * max(0.0, cost - expected)
@@ -99,7 +101,7 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
         every = FREE_SIT_OUT
     else:
         every = max(FREE_SIT_OUT + 1, math.ceil((loss + (catch_up or 0.0)) / (PROBE_SHARE * plain)))
-    if plausible is not None and _could_pay(table, n_requests, len(first), counts, plain, draft_step, plausible,
+    if plausible is not None and _could_pay(trusted, n_requests, len(first), counts, plain, draft_step, plausible,
                                             UNCERTAIN_LEAD):
         every = max(PROBE_EVERY, math.ceil(every * PROBE_SHARE / UNCERTAIN_SHARE))
     return every
@@ -120,6 +122,15 @@ def _follow_ups(probe: Probe) -> float:
     expected, `Probe.beaten`, at most MAX_FOLLOW_HIT)."""
     hit = min(probe.beaten(), MAX_FOLLOW_HIT)
     return hit / (1.0 - hit)
+
+
+def _trusted(table: dict[Cell, float], counts: dict[Cell, int] | None) -> dict[Cell, float]:
+    """The cells a verdict of hopelessness rests on: plain ones, and drafting ones of MIN_SAMPLES
+    rounds or more (every cell where `counts` is not given): one dear first round of any N must
+    not stop probes for HOPELESS_EVERY rounds."""
+    if counts is None:
+        return table
+    return {k: v for k, v in table.items() if not k.b or counts.get(k, 0) >= MIN_SAMPLES}
 
 
 def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, int] | None, plain: float,
