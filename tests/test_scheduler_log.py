@@ -87,3 +87,25 @@ def test_records_are_held_back_and_written_together(tmp_path):
     log.record({"round": LOG_BATCH})
     log.flush()
     assert json.loads(path.read_text().splitlines()[-1]) == {"round": LOG_BATCH}
+
+
+def test_a_decision_logs_every_ns_draft_step_and_replays_with_them(tmp_path):
+    """A decision prices other N's depths with their own draft steps (docs/scheduler.md, "A depth
+    past the deepest measured costs at least the padding it adds"): its record carries them by N,
+    and replays with them; one from before them replays with its own N's figure for every N."""
+    log = tmp_path / "log.jsonl"
+    s = Scheduler(log_path=str(log))
+    cells = {Cell(4, 0, 0): 0.0835, Cell(4, 4, 1): 0.1333, Cell(4, 8, 2): 0.1673, Cell(8, 0, 0): 0.1087,
+             Cell(8, 8, 1): 0.1788, Cell(8, 16, 2): 0.2330, Cell(16, 0, 0): 0.1427}
+    s.cost.cells = {c: [(0, v)] * 9 for c, v in cells.items()}
+    s.cost.draft_steps = {4: [0.0207] * 3, 8: [0.0248] * 3, 16: [0.036] * 3}
+    ids = [f"r{i}" for i in range(16)]
+    for _ in range(3):
+        s.plan(ids, 16)
+    s.flush_log()
+    records = [json.loads(x) for x in log.read_text().splitlines() if '"candidates"' in x]
+    assert records and all(r["draft_steps_s"] == {"4": 0.0207, "8": 0.0248, "16": 0.036} for r in records)
+    assert all(r["draft_step_s"] == 0.036 for r in records)
+    assert replay(log.read_text().splitlines()) == []
+    old = [json.dumps({k: v for k, v in r.items() if k != "draft_steps_s"}) for r in records]
+    assert replay(old)  # priced with 16 rows' step for every N, the same inputs decide otherwise

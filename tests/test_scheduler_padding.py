@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from worker.round import Cell
 from worker.scheduler import HOPELESS_EVERY, decide, estimate, probe_interval, replay
 from worker.scheduler.table import PAD_SPAN, padding
@@ -64,6 +66,23 @@ def test_drafting_that_padding_prices_out_is_probed_rarely():
     counts = dict.fromkeys(table, 8)
     assert probe_interval(table, 8, counts, first=[0.9] * 8, draft_step=0.012) == HOPELESS_EVERY
     assert decide([[0.9] * 8] * 8, 8, table, 64, counts=counts, draft_step=0.012).budget == 0
+
+
+def test_each_ns_own_draft_step_is_taken_out_of_its_depths():
+    """The CPU's draft step grows with the rows (21 ms a depth at 4 rows, 25 at 8, 36 at 16, the
+    embedded pair): 16 rows' step taken out of 8 rows' depths hid 8 rows' verify (2.3 ms a token
+    where it costs 3.7), and 16 rows drafting 4 deep were priced at 0.29 s and chosen; they took
+    0.52-0.55 s a round. With each N's own step they are priced at 0.38 s and left out."""
+    table = {Cell(4, 0, 0): 0.0835, Cell(4, 4, 1): 0.1333, Cell(4, 8, 2): 0.1673, Cell(4, 12, 3): 0.1998,
+             Cell(8, 0, 0): 0.1087, Cell(8, 8, 1): 0.1788, Cell(8, 16, 2): 0.2330, Cell(16, 0, 0): 0.1427}
+    steps = {4: 0.0207, 8: 0.0248, 16: 0.036}
+    assert padding(table, 16, steps) == pytest.approx(16 * ((0.2330 - 2 * 0.0248) - (0.1788 - 0.0248)) / 8)
+    assert padding(table, 16, 0.036) == pytest.approx(16 * ((0.2330 - 2 * 0.036) - (0.1788 - 0.036)) / 8)
+    assert estimate(table, 16, 64, 4, draft_step=0.036) == pytest.approx(0.288, abs=1e-3)
+    assert estimate(table, 16, 64, 4, draft_step=steps) == pytest.approx(0.378, abs=1e-3)
+    rates = [[0.65, 0.45, 0.45, 0.45, 0.45]] * 16
+    assert decide(rates, 16, table, 64, draft_step=0.036).allocation == [4] * 16
+    assert max(decide(rates, 16, table, 64, draft_step=steps).allocation) < 4
 
 
 def test_a_log_written_before_the_padding_replays_with_the_prior_it_had():

@@ -82,6 +82,10 @@ class CostModel:
         steps = self.draft_steps.get(n)
         return _median(steps) * self.pace if steps else None
 
+    def draft_steps_now(self) -> dict[int, float]:
+        """`draft_step` of every N measured."""
+        return {n: _median(steps) * self.pace for n, steps in sorted(self.draft_steps.items()) if steps}
+
     def commit(self) -> None:
         if self.pending is None:
             return

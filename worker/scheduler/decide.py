@@ -11,7 +11,7 @@ from typing import Sequence
 from worker.round import PIPELINE_WARM_ROUNDS, Cell
 from worker.scheduler.allocation import POSITIONS, allocate, rank, survivals
 from worker.scheduler.probe import PROBE_DEPTH, PROBE_SHARE, probe_lengths
-from worker.scheduler.table import estimate
+from worker.scheduler.table import Steps, estimate
 
 SWITCH_HORIZON = 16  # rounds a switching cost (a catch-up, a discarded forward, a restart) is spread over
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least
@@ -63,7 +63,7 @@ class Decision:
 def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[Cell, float], b_max: int,
            probe: bool = False, counts: dict[Cell, int] | None = None,
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
-           explore_plain: bool = False, draft_step: float | None = None,
+           explore_plain: bool = False, draft_step: Steps = None,
            explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True,
            probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH, halted: bool = False) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).

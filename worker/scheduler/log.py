@@ -63,9 +63,15 @@ def decide_again(rec: dict) -> Decision:
     """The decision a logged record's inputs give now."""
     return decide(rec["acceptance"], rec["n_requests"], cells_from_log(rec["cost_table"]), rec["b_max"], rec["probe"],
                   cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
-                  rec.get("explore_plain", False), rec.get("draft_step_s"), rec.get("explore_margin", EXPLORE_MARGIN),
+                  rec.get("explore_plain", False), _draft_steps(rec), rec.get("explore_margin", EXPLORE_MARGIN),
                   rec.get("padding", False), rec.get("probe_rows"), rec.get("probe_depth", PROBE_DEPTH),
                   rec.get("halted", False))
+
+
+def _draft_steps(rec: dict) -> dict[int, float] | float | None:
+    """A decision's drafting seconds a depth: by N, or (logs written before) its own N's figure."""
+    steps = rec.get("draft_steps_s")
+    return {int(n): s for n, s in steps.items()} if steps is not None else rec.get("draft_step_s")
 
 
 def _same(a, b) -> bool:

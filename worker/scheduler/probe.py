@@ -10,7 +10,7 @@ from typing import Sequence
 from worker.round import FREE_SIT_OUT, Cell
 from worker.scheduler.allocation import POSITIONS
 from worker.scheduler.cost import MIN_SAMPLES
-from worker.scheduler.table import _reach, estimate, padding
+from worker.scheduler.table import Steps, _reach, estimate, padding, step_at
 
 PROBE_ROWS = 8  # a probe drafts for one joint request in this many (at least one) ...
 PROBE_DEPTH = 2  # ... from 1 to this deep, in turn (two depths measured show the padding: table.padding)
@@ -72,7 +72,7 @@ def probe_lengths(survival: Sequence[Sequence[float]], rows: Sequence[int], dept
 def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell, int] | None = None,
                    catch_up: float | None = None, first: Sequence[float] = (), discard: float | None = None,
                    behind: bool = False, restart: float = 0.0, probe: Probe | None = None,
-                   draft_step: float | None = None, plausible: float | None = None) -> int:
+                   draft_step: Steps = None, plausible: float | None = None) -> int:
     """Plain rounds between probes. `first`: the joint requests' position-1 estimates; `probe`:
     what a probe drafts (None: one token for each of them). Its expected loss is its cell's cost
     less the plain time of the tokens it expects (N + its gain), plus `discard` (the forward
@@ -134,7 +134,7 @@ def _trusted(table: dict[Cell, float], counts: dict[Cell, int] | None) -> dict[C
 
 
 def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, int] | None, plain: float,
-               draft_step: float | None = None, rate: float = 1.0, lead: float = 1.0) -> bool:
+               draft_step: Steps = None, rate: float = 1.0, lead: float = 1.0) -> bool:
     """Whether drafting d tokens for each of `joint` requests, each position accepted at `rate`
     (1: all accepted), beats plain rounds (by `lead` times their tokens per second)
     at some depth d within reach (one past the deepest measured: the extrapolation past it is
@@ -142,7 +142,8 @@ def _could_pay(table: dict[Cell, float], n: int, joint: int, counts: dict[Cell, 
     at any depth up to POSITIONS priced at the least it can cost: the reach's round and a draft
     step and the padding it adds (`padding`) more a depth."""
     reach = _reach(table, n)
-    step = None if draft_step is None else draft_step + padding(table, n, draft_step)
+    own = step_at(draft_step, n)
+    step = None if own is None else own + padding(table, n, draft_step)
     for d in range(1, POSITIONS + 1):
         if d <= reach:
             cost = estimate(table, n, joint * d, d, counts)

@@ -151,9 +151,9 @@ class Scheduler:
         plain_rounds = counts.get(Cell(n_requests, 0, 0), 0)
         explore = self._plain_due(n_requests, plain_rounds)
         margin = self._explore_margin(n_requests, plain_rounds)
-        draft_step = self.cost.draft_step(n_requests)
+        draft_steps = self.cost.draft_steps_now()
         b_max = self.round_budget(n_requests)
-        d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_step, margin,
+        d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_steps, margin,
                    True, rows, depth, halted)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
@@ -164,7 +164,8 @@ class Scheduler:
                               "b_max": b_max, "probe": probe, "acceptance": rates,
                               "cost_table": cells_to_log(table), "cost_counts": cells_to_log(counts), "behind": behind,
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
-                              "explore_margin": margin, "draft_step_s": draft_step, "padding": True,
+                              "explore_margin": margin, "draft_step_s": draft_steps.get(n_requests),
+                              "draft_steps_s": {str(k): v for k, v in draft_steps.items()}, "padding": True,
                               "probe_rows": rows, "probe_depth": depth, "halted": halted, **d.to_log()})
         return d, probe, decide_s, margin
 
@@ -204,7 +205,7 @@ class Scheduler:
         uncertain = self.longrun.tried[0] < FEW_OBSERVED
         plausible = plausible_acceptance(sum(self.longrun.accepted), sum(self.longrun.tried)) if uncertain else None
         return probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
-                              probe, self.cost.draft_step(n), plausible)
+                              probe, self.cost.draft_steps_now(), plausible)
 
     def _explore_margin(self, n: int, plain_rounds: int) -> float | None:
         """The lead under which a due plain exploration is taken: EXPLORE_MARGIN; any lead (None)

@@ -3,11 +3,21 @@
 
 from __future__ import annotations
 
+from typing import Mapping, Union
+
 from worker.round import Cell
 from worker.scheduler.cost import MIN_SAMPLES, CostModel, _dominates
 
+Steps = Union[float, Mapping[int, float], None]  # drafting seconds a depth: by N, or one figure (logs before)
+
 PAD_SPAN = 8  # tokens a verify's slope must span to price padding: over fewer, a BLAS stair (the CPU's one request:
               # 3 → 4 tokens 22 ms, 4 → 5 nearly free)
+
+
+def step_at(draft_step: Steps, n: int) -> float | None:
+    """The drafting seconds a depth of rounds with n requests: one figure given for every N (logs
+    written before the steps by N), else n's (None: none measured)."""
+    return draft_step.get(n) if isinstance(draft_step, Mapping) else draft_step
 
 
 def _cells(table: dict[Cell, float], n: int) -> list[tuple[int, int, float]]:
@@ -64,31 +74,33 @@ def _reach(table: dict[Cell, float], n: int) -> int:
     return max([own] + shared)
 
 
-def padding(table: dict[Cell, float], n: int, draft_step: float | None = None) -> float:
+def padding(table: dict[Cell, float], n: int, draft_step: Steps = None) -> float:
     """What a depth more adds to the verify of n requests, every row computed at the round's widest
     width: n tokens at the cheapest a verify token has cost between two drafting depths of any N
-    (their drafting, `draft_step` a depth, taken out; a drafting round's fixed cost cancels), over
+    (their drafting, that N's `draft_step` a depth, else n's, taken out; a drafting round's fixed
+    cost cancels), over
     PAD_SPAN tokens or more (fewer: a stair) from n tokens a forward up (a forward's cost rises
     no slower past them); 0 where nothing shows it. Compute-bound, a row drafting 8 among 32 costs
     like every row at width 9; memory-bound, next to nothing."""
     verify: dict[tuple[int, int], float] = {}  # (N, D): the cheapest round's verify
     for k, v in table.items():
         if k.d:
-            verify[k.n, k.d] = min(v - k.d * (draft_step or 0.0), verify.get((k.n, k.d), v))
+            step = step_at(draft_step, k.n) or step_at(draft_step, n) or 0.0
+            verify[k.n, k.d] = min(v - k.d * step, verify.get((k.n, k.d), v))
     slopes = [(verify[m, hi] - verify[m, lo]) / (m * (hi - lo)) for m, lo in verify for m2, hi in verify
               if m2 == m and hi > lo and m * (1 + lo) >= n and m * (hi - lo) >= PAD_SPAN]
     return n * max(0.0, min(slopes)) if slopes else 0.0
 
 
 def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
-             draft_step: float | None = None, pad: bool = True) -> float | None:
+             draft_step: Steps = None, pad: bool = True) -> float | None:
     """Cost of a round from a table (`CostModel.table()`, or a logged one); None when nothing of this N is known.
 
     A round never costs more than a measured one that does more work (at least as many tokens
     and as deep, with `counts`: one of MIN_SAMPLES rounds or more), and a cell of fewer than
     MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
     neighbour's load, a first allocation) must not price a cell out of ever being measured again.
-    `draft_step`: the measured drafting seconds a depth (see `_interpolate`); `pad`: a depth past
+    `draft_step`: the measured drafting seconds a depth, by N (see `_interpolate`); `pad`: a depth past
     the deepest measured costs at least its `padding` (False: as logs written before it were).
     """
     cost = _interpolate(table, n, b, d, draft_step, pad)
@@ -100,7 +112,7 @@ def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell
     return min([cost] + bounds) if cost is not None else None
 
 
-def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: float | None = None,
+def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: Steps = None,
                  pad: bool = True) -> float | None:
     """A cell's own figure; else along B among cells of its (N, D), else along D from the cheapest
     cell of each measured depth; past the deepest measured depth from the nearest other N that
@@ -133,6 +145,6 @@ def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: f
         slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
     else:
         slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
-    if draft_step is not None:  # a depth more costs at least its draft step; its verify may cost no more ...
-        slope = min(slope, draft_step)
+    if (step := step_at(draft_step, n)) is not None:  # a depth more costs at least its draft step; its verify
+        slope = min(slope, step)  # may cost no more ...
     return by_depth[deepest] + max(slope, width) * (d - deepest)  # ... than the padding it adds
