@@ -8,7 +8,7 @@ import math
 import pytest
 
 from worker.round import Cell
-from worker.scheduler import (FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Probe, Scheduler,
+from worker.scheduler import (DRAFT_LEAD, FREE_SIT_OUT, HOPELESS_EVERY, MIN_SAMPLES, PROBE_EVERY, CostModel, Probe, Scheduler,
                               decide, estimate, plausible_acceptance, probe_interval, survivals)
 from worker.scheduler.decide import _best
 
@@ -233,3 +233,31 @@ def test_near_break_even_the_mode_in_use_persists():
     assert s.plan(["r"], 1, ahead=[True], pipelined=True) == [0]  # it ran plain: it stays so
     s._held = None
     assert s.plan(["r"], 1) == [0]  # batched plain rounds are not pipelined: no hysteresis
+
+
+def test_a_batch_whose_padding_is_unknown_drafts_one_depth_past_its_deepest():
+    """Eight rows on the CPU with nothing but plain rounds measured at 8 and one drafting depth at
+    4: the prior priced 8 rows drafting 2-3 deep at 0.15-0.17 s (a depth costs one draft step where
+    no padding is known); 3 deep took 0.28-0.36 s, chosen four times in a run. Where a batch fills
+    PAD_SPAN tokens and no padding is measured, a decision goes one depth past its N's deepest,
+    whose round then shows what a depth adds."""
+    table = {Cell(4, 0, 0): 0.0905, Cell(4, 4, 1): 0.1403, Cell(8, 0, 0): 0.1030, Cell(16, 0, 0): 0.1415}
+    steps = {4: 0.0246, 8: 0.0237, 16: 0.0299}
+    rates = [[0.52, 0.58, 0.58, 0.58]] * 8
+    assert decide(rates, 8, table, 32, draft_step=steps, lead=DRAFT_LEAD).allocation == [2] * 8  # priced 0.15 s
+    assert decide(rates, 8, table, 32, draft_step=steps, step_by_step=True, lead=DRAFT_LEAD).budget == 0  # 1 deep at most: no lead
+    drafted = {**table, Cell(8, 8, 1): 0.17, Cell(8, 16, 2): 0.24}  # two depths of 8 rows: the padding is known
+    assert decide(rates, 8, drafted, 32, draft_step=steps, step_by_step=True, lead=DRAFT_LEAD).budget == 0
+    one = {Cell(1, 0, 0): 0.007, Cell(1, 1, 1): 0.012}  # one row fills no PAD_SPAN: extrapolated as before
+    assert decide([[0.9] * 8], 1, one, 16, draft_step=0.0015, step_by_step=True).allocation == [8]
+
+
+def test_drafting_must_lead_plain_rounds_by_a_margin():
+    """Drafting chosen at a lead of 1.00-1.05 lost on the CPU (4 rows at k = 1: 1.7-1.9 plain
+    rounds for 1.6-1.75 tokens a row): a lead under the spread of a few rounds' estimates is a
+    loss once the estimates' errors are counted. A round drafts where it leads by DRAFT_LEAD."""
+    table = {Cell(4, 0, 0): 0.080, Cell(4, 4, 1): 0.140}  # 4 rows at k = 1: 1.75 plain rounds
+    for alpha, lead, budget in ((0.80, 1.029, 0), (0.85, 1.057, 4)):
+        assert (4 + 4 * alpha) / 0.140 / (4 / 0.080) == pytest.approx(lead, abs=1e-3)
+        assert decide([[alpha]] * 4, 4, table, 16, lead=DRAFT_LEAD).budget == budget
+    assert decide([[0.80]] * 4, 4, table, 16).budget == 4  # as logs written before it decided

@@ -93,7 +93,7 @@ def test_a_due_plain_exploration_ends_a_drafting_hold(tmp_path):
     few rounds had put them off, where the decision took 0.5 ms against a 46 ms round)."""
     log = tmp_path / "log.jsonl"
     s = Scheduler(b_max=1, log_path=str(log))
-    s.cost.cells = {Cell(1, 0, 0): [(1, 1.0e-6)] * 3, Cell(1, 1, 1): [(1, 1.26e-6)] * 9}  # k = 1 pays, by less than 1.25×
+    s.cost.cells = {Cell(1, 0, 0): [(1, 1.0e-6)] * 3, Cell(1, 1, 1): [(1, 1.15e-6)] * 9}  # k = 1 pays, by less than 1.25×
     s.cost.rounds = 1
     for i in range(100):
         s.observe_cycle(f"old{i // 50}", 1, int(i % 3 == 0))
@@ -102,7 +102,7 @@ def test_a_due_plain_exploration_ends_a_drafting_hold(tmp_path):
         k = s.plan(["r"], 1)[0]
         if k:
             s.observe_cycle("r", k, int(i % 3 == 0))
-        s.observe_round(1.26e-6 if k else 1.0e-6, True)
+        s.observe_round(1.15e-6 if k else 1.0e-6, True)
         budgets.append(k)
     s.flush_log()
     assert budgets[:PLAIN_GAP] == [1] * PLAIN_GAP and budgets[PLAIN_GAP] == 0

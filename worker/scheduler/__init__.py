@@ -14,7 +14,7 @@ from worker.scheduler.allocation import POSITIONS, allocate, rank, survivals
 from worker.scheduler.cost import (CATCH_UP_REASONS, DISCARD_REASONS, FEW_ROUNDS, MAX_AGE, MIN_SAMPLES, PACE_BOUND,
                                    PACE_WINDOW, PIPELINE_REASONS, SET_APART_KEPT, STALE_GAP, STALL_FACTOR, TAKEN_REASONS,
                                    WINDOW, CostModel, feed_pieces, fit_feed)
-from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, SWITCH_HORIZON, Candidate, Decision,
+from worker.scheduler.decide import (DRAFT_LEAD, EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, SWITCH_HORIZON, Candidate, Decision,
                                      decide, plain_probe_interval)
 from worker.scheduler.probe import (FEW_OBSERVED, HOPELESS_EVERY, MAX_FOLLOW_HIT, PLAUSIBLE_Z, PROBE_DEPTH, PROBE_EVERY,
                                     PROBE_ROWS, PROBE_SHARE, UNCERTAIN_LEAD, UNCERTAIN_SHARE, Probe,
@@ -31,7 +31,7 @@ __all__ = [
     "CATCH_UP_REASONS", "DISCARD_REASONS", "FEW_ROUNDS", "MAX_AGE", "MIN_SAMPLES", "PACE_BOUND", "PACE_WINDOW",
     "PIPELINE_REASONS", "SET_APART_KEPT", "STALE_GAP", "STALL_FACTOR", "TAKEN_REASONS", "WINDOW", "CostModel",
     "feed_pieces", "fit_feed",
-    "EXPLORE_MARGIN", "FEW_PLAIN_GAP", "PLAIN_GAP", "SWITCH_HORIZON", "Candidate", "Decision", "decide",
+    "DRAFT_LEAD", "EXPLORE_MARGIN", "FEW_PLAIN_GAP", "PLAIN_GAP", "SWITCH_HORIZON", "Candidate", "Decision", "decide",
     "plain_probe_interval",
     "FEW_OBSERVED", "HOPELESS_EVERY", "MAX_FOLLOW_HIT", "PLAUSIBLE_Z", "PROBE_DEPTH", "PROBE_EVERY", "PROBE_ROWS",
     "PROBE_SHARE", "UNCERTAIN_LEAD", "UNCERTAIN_SHARE", "Probe", "plausible_acceptance", "probe_count",

@@ -11,12 +11,13 @@ from typing import Sequence
 from worker.round import PIPELINE_WARM_ROUNDS, Cell
 from worker.scheduler.allocation import POSITIONS, allocate, rank, survivals
 from worker.scheduler.probe import PROBE_DEPTH, PROBE_SHARE, probe_lengths
-from worker.scheduler.table import Steps, estimate
+from worker.scheduler.table import Steps, depth_limit, estimate
 
 SWITCH_HORIZON = 16  # rounds a switching cost (a catch-up, a discarded forward, a restart) is spread over
 PLAIN_GAP = 64  # drafting rounds after which plain rounds are measured again, at the least
 FEW_PLAIN_GAP = 8  # ... and while the plain cell has fewer than MIN_SAMPLES rounds
 EXPLORE_MARGIN = 1.25  # ... where drafting leads plain by less than this
+DRAFT_LEAD = 1.05  # a round drafts where that leads plain rounds by this at least (docs/scheduler.md, "The decision")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
            behind: Sequence[bool] | None = None, switch_s: float = 0.0, stop_s: float = 0.0,
            explore_plain: bool = False, draft_step: Steps = None,
            explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True,
-           probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH, halted: bool = False) -> Decision:
+           probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH, halted: bool = False,
+           step_by_step: bool = False, lead: float = 1.0) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -79,18 +81,23 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     candidate's allocation where wider. With `explore_plain`, a round that would draft drafts
     nothing where drafting leads by less than `explore_margin` (None: by any lead); `pad`: see
     `estimate`; `halted`: the never-lose rule stopped drafting (window.py): the round drafts
-    nothing, probes neither. Returns the inputs' derived values and the choice, as logged and
+    nothing, probes neither; `step_by_step`: no deeper than `depth_limit` (False: as logs written
+    before it were); `lead`: what drafting must lead plain rounds by (DRAFT_LEAD; 1.0: as logs
+    written before it were). Returns the inputs' derived values and the choice, as logged and
     replayed.
     """
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
     candidates = []
     gain, lengths, d = float(n_requests), [0] * len(surv), 0
+    deepest = depth_limit(table, n_requests, draft_step) if step_by_step else None
     for b in range(0, min(b_max, len(ranked)) + 1):
         if b:  # allocate(surv, b), built as B grows
             r, j = ranked[b - 1]
             gain += surv[r][j - 1]
             lengths[r], d = max(lengths[r], j), max(d, j)
+        if deepest is not None and d > deepest:
+            break  # B grows with D: every budget past here is deeper
         cost = estimate(table, n_requests, b, d, counts, draft_step, pad)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
@@ -98,23 +105,32 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
             switching = switch_s / SWITCH_HORIZON if behind and any(k and x for k, x in zip(lengths, behind)) else 0.0
             switching += stop_s / SWITCH_HORIZON if b == 0 else 0.0
             candidates.append(Candidate(b, d, cost, gain, gain / (cost + switching)))
+    plain = candidates[0]  # B = 0 is always the first candidate
     best = _best(candidates)
+    if best.objective < lead * plain.objective:
+        best = plain
     budget = best.b
     lengths = allocate(surv, budget)
-    plain = candidates[0]  # B = 0 is always the first candidate
     explored = bool(not halted and explore_plain and budget
                     and (explore_margin is None or best.objective < explore_margin * plain.objective))
     if explored or halted:
         lengths, budget = [0] * len(surv), 0
     elif probe and budget == 0 and ranked:
-        if probe_rows is None:
-            drafting = _best_drafting(candidates)
-            widest = allocate(surv, drafting.b) if drafting else [0] * len(surv)
-            lengths = [max(k, int(bool(row))) for k, row in zip(widest, surv)]  # at least one token for each request with room
-        else:
-            lengths = probe_lengths(surv, probe_rows, probe_depth)
+        lengths = _probe_allocation(surv, candidates, probe_rows, probe_depth)
         budget = sum(lengths)
     return Decision(surv, candidates, budget, lengths, explored)
+
+
+def _probe_allocation(surv: list[list[float]], candidates: list[Candidate], probe_rows: Sequence[int] | None,
+                      probe_depth: int) -> list[int]:
+    """What a probe drafts: `probe_depth` for each of `probe_rows`; None (logs written before
+    them): at least one token for each request with room, the best drafting candidate's allocation
+    where wider."""
+    if probe_rows is not None:
+        return probe_lengths(surv, probe_rows, probe_depth)
+    drafting = _best_drafting(candidates)
+    widest = allocate(surv, drafting.b) if drafting else [0] * len(surv)
+    return [max(k, int(bool(row))) for k, row in zip(widest, surv)]
 
 
 def _best(candidates: list[Candidate]) -> Candidate:

@@ -10,7 +10,7 @@ from worker.round import FREE_SIT_OUT, PIPELINE_WARM_ROUNDS, Cell, RoundInput, R
 from worker.scheduler.acceptance import LONG_DECAY, PRIOR_WEIGHT, Acceptance
 from worker.scheduler.allocation import POSITIONS, allocate, survivals
 from worker.scheduler.cost import DISCARD_REASONS, MIN_SAMPLES, PIPELINE_REASONS, TAKEN_REASONS, CostModel
-from worker.scheduler.decide import (EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, Candidate, Decision, _best,
+from worker.scheduler.decide import (DRAFT_LEAD, EXPLORE_MARGIN, FEW_PLAIN_GAP, PLAIN_GAP, Candidate, Decision, _best,
                                      _best_drafting, decide, plain_probe_interval)
 from worker.scheduler.probe import (FEW_OBSERVED, PROBE_DEPTH, PROBE_EVERY, Probe, plausible_acceptance, probe_count,
                                     probe_interval, probe_lengths)
@@ -154,7 +154,7 @@ class Scheduler:
         draft_steps = self.cost.draft_steps_now()
         b_max = self.round_budget(n_requests)
         d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_steps, margin,
-                   True, rows, depth, halted)
+                   True, rows, depth, halted, True, DRAFT_LEAD)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
@@ -166,7 +166,8 @@ class Scheduler:
                               "switch_s": switch_s, "stop_s": stop_s, "explore_plain": explore,
                               "explore_margin": margin, "draft_step_s": draft_steps.get(n_requests),
                               "draft_steps_s": {str(k): v for k, v in draft_steps.items()}, "padding": True,
-                              "probe_rows": rows, "probe_depth": depth, "halted": halted, **d.to_log()})
+                              "probe_rows": rows, "probe_depth": depth, "halted": halted, "step_by_step": True, "lead": DRAFT_LEAD,
+                              **d.to_log()})
         return d, probe, decide_s, margin
 
     def _catch_up_seconds(self, n: int, feeds: Sequence[int] | None,

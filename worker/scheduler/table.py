@@ -82,14 +82,30 @@ def padding(table: dict[Cell, float], n: int, draft_step: Steps = None) -> float
     PAD_SPAN tokens or more (fewer: a stair) from n tokens a forward up (a forward's cost rises
     no slower past them); 0 where nothing shows it. Compute-bound, a row drafting 8 among 32 costs
     like every row at width 9; memory-bound, next to nothing."""
+    slopes = _token_slopes(table, n, draft_step)
+    return n * max(0.0, min(slopes)) if slopes else 0.0
+
+
+def _token_slopes(table: dict[Cell, float], n: int, draft_step: Steps) -> list[float]:
+    """What a verify token cost between two drafting depths of each N, over PAD_SPAN tokens or
+    more from n tokens a forward up (see `padding`)."""
     verify: dict[tuple[int, int], float] = {}  # (N, D): the cheapest round's verify
     for k, v in table.items():
         if k.d:
             step = step_at(draft_step, k.n) or step_at(draft_step, n) or 0.0
             verify[k.n, k.d] = min(v - k.d * step, verify.get((k.n, k.d), v))
-    slopes = [(verify[m, hi] - verify[m, lo]) / (m * (hi - lo)) for m, lo in verify for m2, hi in verify
-              if m2 == m and hi > lo and m * (1 + lo) >= n and m * (hi - lo) >= PAD_SPAN]
-    return n * max(0.0, min(slopes)) if slopes else 0.0
+    return [(verify[m, hi] - verify[m, lo]) / (m * (hi - lo)) for m, lo in verify for m2, hi in verify
+            if m2 == m and hi > lo and m * (1 + lo) >= n and m * (hi - lo) >= PAD_SPAN]
+
+
+def depth_limit(table: dict[Cell, float], n: int, draft_step: Steps = None) -> int | None:
+    """The deepest draft a decision for n requests may choose while nothing shows what a depth
+    more adds to their verify (no `padding` measured) and they fill a forward of PAD_SPAN tokens:
+    one past the deepest measured with n requests (or the N standing in for them); None: any."""
+    if n < PAD_SPAN or _token_slopes(table, n, draft_step):
+        return None
+    m = _stand_in(table, n) or n
+    return max((kd for _, kd, _ in _cells(table, m)), default=0) + 1
 
 
 def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
