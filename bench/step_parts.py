@@ -1,5 +1,5 @@
-"""`python -m bench.step_parts`: where a round's time goes on a GPU, rows of equal or staggered
-lengths. For each (rows, stagger, k) it plays rounds twice: free (each round's wall time, as
+"""`python -m bench.step_parts`: where a round's time goes on a GPU (with `--embedded`, the
+embedded pair on any device), rows of equal or staggered lengths. For each (rows, stagger, k) it plays rounds twice: free (each round's wall time, as
 served) and split (a wait after each part: the draft's proposals, the target's forward, the
 commit, the draft's recovery; the rest is the host's). Then attention alone on the slab: the
 mask and the write each row at its own length needs, against one slice and no mask.
@@ -226,6 +226,17 @@ def check_one_row(draft, steps: int = 6) -> dict:
             "argmax_agrees_with_mlx_lm": {"one_launch": agree[0], "sublayers": agree[1], "of": checks}}
 
 
+def _embedded():
+    """The embedded model and its shipped draft, with the config keys the prompts and `--attention` read."""
+    from worker.loader import load_draft, load_model
+
+    lm = load_model("embedded")
+    args = lm.model.args
+    cfg = {"vocab_size": args.vocab_size, "num_attention_heads": args.num_attention_heads,
+           "num_key_value_heads": args.num_key_value_heads, "head_dim": args.hidden_size // args.num_attention_heads}
+    return lm.model, load_draft("embedded", lm).model, cfg
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ns", type=int, nargs="+", default=[8, 32])
@@ -235,6 +246,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--embedded", action="store_true", help="the embedded model and its shipped draft (any device)")
     p.add_argument("--check-rows", type=int, nargs="*", default=[], help="check the draft's rows path at these row counts")
     p.add_argument("--attention", action="store_true", help="also time one attention layer's parts alone")
     p.add_argument("--check-one-row", action="store_true", help="check the one-launch draft step on the batch's slots")
@@ -258,7 +270,10 @@ def main() -> None:
     if a.small:
         tcfg.update(gb.SMALL)
         dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
-    target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
+    if a.embedded:
+        target, draft, tcfg = _embedded()
+    else:
+        target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
     forward = fast_draft.where_it_runs(draft)
     if forward is not None and a.sublayers:
         forward = fast_draft.narrow_forward(draft, persistent=False, widest=1)
