@@ -1,7 +1,8 @@
 """`python -m bench.step_parts`: where a round's time goes on a GPU (with `--embedded`, the
-embedded pair on any device), rows of equal or staggered lengths. For each (rows, stagger, k) it plays rounds twice: free (each round's wall time, as
-served) and split (a wait after each part: the draft's proposals, the target's forward, the
-commit, the draft's recovery; the rest is the host's). Then attention alone on the slab: the
+embedded pair on any device), rows of equal or staggered lengths. For each (rows, stagger, k)
+it plays rounds twice: free (each round's wall time, as served) and split (a wait after each
+part: the draft's proposals, the target's forward, the commit, the draft's recovery; the rest
+is the host's). Then attention alone on the slab: the
 mask and the write each row at its own length needs, against one slice and no mask.
 Prints a JSON line per measurement, every round's time in it."""
 
