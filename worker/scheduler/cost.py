@@ -84,7 +84,7 @@ class CostModel:
 
     def draft_steps_now(self) -> dict[int, float]:
         """`draft_step` of every N measured."""
-        return {n: _median(steps) * self.pace for n, steps in sorted(self.draft_steps.items()) if steps}
+        return {n: self.draft_step(n) for n in sorted(self.draft_steps) if self.draft_steps[n]}
 
     def commit(self) -> None:
         if self.pending is None:

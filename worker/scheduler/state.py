@@ -135,12 +135,13 @@ class Scheduler:
         shared = self.shared_rates()
         rates = [self._acceptance(i).rates(shared)[:c] for i, c in zip(joint_ids, caps)]
         table, counts = self.cost.table_and_counts()
+        draft_steps = self.cost.draft_steps_now()
         rows, depth, shape = self._next_probe(joint_ids, rates, n_requests)
         catch_up, probe_catch_up = self._catch_up_seconds(n_requests, feeds, shape.lengths)
         discard = self.cost.catch_up_seconds(n_requests, DISCARD_REASONS)
         restart = self._stop_seconds(table, counts, n_requests) if pipelined else 0.0
         self._probe_every = self._probe_interval(table, counts, n_requests, rates, probe_catch_up, discard,
-                                                 any(behind or []), restart, shape)
+                                                 any(behind or []), restart, shape, draft_steps)
         probe = self.rounds_without_draft >= self._probe_every or self._probe_hit  # a probe that hit: another
         probe = probe and not halted
         behind = list(behind or [False] * len(joint_ids))
@@ -151,7 +152,6 @@ class Scheduler:
         plain_rounds = counts.get(Cell(n_requests, 0, 0), 0)
         explore = self._plain_due(n_requests, plain_rounds)
         margin = self._explore_margin(n_requests, plain_rounds)
-        draft_steps = self.cost.draft_steps_now()
         b_max = self.round_budget(n_requests)
         d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_steps, margin,
                    True, rows, depth, halted, True, DRAFT_LEAD)
@@ -199,14 +199,15 @@ class Scheduler:
 
     def _probe_interval(self, table: dict[Cell, float], counts: dict[Cell, int], n: int, rates: list[list[float]],
                         catch_up: float | None, discard: float | None, behind: bool, restart: float,
-                        probe: Probe) -> int:
-        """Plain rounds between probes (`probe_interval`); until position 1 has FEW_OBSERVED
-        observations over the long run, priced for the acceptance they plausibly allow (every
-        position's long-run counts together), where probes may cost UNCERTAIN_SHARE of plain time."""
+                        probe: Probe, draft_steps: dict[int, float]) -> int:
+        """Plain rounds between probes (`probe_interval`; `draft_steps`: by N, as the decision
+        reads them); until position 1 has FEW_OBSERVED observations over the long run, priced for
+        the acceptance they plausibly allow (every position's long-run counts together), where
+        probes may cost UNCERTAIN_SHARE of plain time."""
         uncertain = self.longrun.tried[0] < FEW_OBSERVED
         plausible = plausible_acceptance(sum(self.longrun.accepted), sum(self.longrun.tried)) if uncertain else None
         return probe_interval(table, n, counts, catch_up, [r[0] for r in rates if r], discard, behind, restart,
-                              probe, self.cost.draft_steps_now(), plausible)
+                              probe, draft_steps, plausible)
 
     def _explore_margin(self, n: int, plain_rounds: int) -> float | None:
         """The lead under which a due plain exploration is taken: EXPLORE_MARGIN; any lead (None)

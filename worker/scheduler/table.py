@@ -78,9 +78,8 @@ def padding(table: dict[Cell, float], n: int, draft_step: Steps = None) -> float
     """What a depth more adds to the verify of n requests, every row computed at the round's widest
     width: n tokens at the cheapest a verify token has cost between two drafting depths of any N
     (their drafting, that N's `draft_step` a depth, else n's, taken out; a drafting round's fixed
-    cost cancels), over
-    PAD_SPAN tokens or more (fewer: a stair) from n tokens a forward up (a forward's cost rises
-    no slower past them); 0 where nothing shows it. Compute-bound, a row drafting 8 among 32 costs
+    cost cancels), over PAD_SPAN tokens or more (fewer: a stair) from n tokens a forward up (a
+    forward's cost rises no slower past them); 0 where nothing shows it. Compute-bound, a row drafting 8 among 32 costs
     like every row at width 9; memory-bound, next to nothing."""
     slopes = _token_slopes(table, n, draft_step)
     return n * max(0.0, min(slopes)) if slopes else 0.0
