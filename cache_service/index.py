@@ -56,12 +56,14 @@ class SnapshotIndex:
 
     # ---- lookup ----
 
-    def lookup(self, identity: str, tokens: list[int], trimmable: bool, now: float) -> Optional[m.CacheHit]:
+    def lookup(self, identity: str, tokens: list[int], trimmable: bool, now: float,
+               draft: bool = False) -> Optional[m.CacheHit]:
         """The snapshot giving the most tokens of `tokens` (never all: one is left to prefill).
 
         An entry counts when its tokens are a prefix of the request's; under `trimmable` a longer
-        entry counts too, cut back to the common prefix. Equal lengths go to the untrimmed entry,
-        then to the most recently used."""
+        entry counts too, cut back to the common prefix. Equal lengths go (under `draft`, a joint
+        request's) to the entry whose draft state gives most, then to the untrimmed entry, then
+        to the most recently used."""
         self.stats.lookups += 1
         want, limit = _packed(tokens), len(tokens) - 1
         best, best_key = None, None
@@ -71,7 +73,8 @@ class SnapshotIndex:
             shared = common_prefix(e.packed, want)
             exact = shared == e.length
             usable = e.length if exact and e.length <= limit else min(shared, limit) if trimmable else 0
-            key = (usable, exact and usable == e.length, e.meta.last_use)
+            key = (usable, _draft_gives(e, usable, trimmable) if draft else 0, exact and usable == e.length,
+                   e.meta.last_use)
             if usable > 0 and (best_key is None or key > best_key):
                 best, best_key = e, key
         if best is None:
@@ -86,23 +89,25 @@ class SnapshotIndex:
     # ---- changes ----
 
     def store(self, meta: m.SnapshotMeta, trimmable: bool, now: float) -> tuple[bool, list[str]]:
-        """(granted, ids to drop first). Refused: larger than the budget, already held, or (under
-        `trimmable`) a prefix of an entry that already gives it. Granted under `trimmable`, it
+        """(granted, ids to drop first). Refused: larger than the budget, already held with as much
+        of the draft's state (held with less, the new one replaces it), or (under `trimmable`) a
+        prefix of an entry that already gives it and its draft's state. Granted under `trimmable`, it
         replaces the entries that are its prefixes (and stands for their boundaries)."""
         if meta.nbytes > self.budget:
             return False, []
         held = self.entries.get(meta.id)
-        if held is not None:
+        if held is not None and held.meta.draft_tokens >= meta.draft_tokens:
             held.meta.last_use = now
             return False, []
         new = _Entry(meta, _packed(meta.tokens), meta.kind == "boundary")
-        absorbed = []
+        absorbed = [meta.id] if held is not None else []  # held with less of the draft's state: replaced
         for e in self.entries.values():
-            if trimmable and e.meta.identity == meta.identity:
+            if trimmable and e.meta.identity == meta.identity and e is not held:
                 shared = common_prefix(e.packed, new.packed)
-                if shared == new.length:  # an entry already covers it
+                covers = e.meta.draft_tokens >= meta.draft_tokens
+                if shared == new.length and covers:  # an entry already covers it, its draft's state too
                     return False, []
-                if shared == e.length:
+                if shared == e.length and meta.draft_tokens >= e.meta.draft_tokens:
                     absorbed.append(e.meta.id)
         new.boundary = new.boundary or any(self.entries[i].boundary for i in absorbed)
         for i in absorbed:
@@ -159,3 +164,11 @@ class SnapshotIndex:
     def _count(self) -> None:
         self.stats.bytes, self.stats.entries = self.bytes, len(self.entries)
         assert self.bytes <= self.budget, (self.bytes, self.budget)
+
+
+def _draft_gives(e: _Entry, usable: int, trimmable: bool) -> int:
+    """Tokens of a hit of `usable` tokens the entry's draft state gives: one that lags is used as
+    it is; a longer one only cut back (`trimmable`)."""
+    if e.meta.draft_tokens <= usable:
+        return e.meta.draft_tokens
+    return usable if trimmable else 0

@@ -37,7 +37,7 @@ class CacheService:
         elif msg.service_id != self.id:
             reply.resync = True
         elif isinstance(msg, m.CacheLookup):
-            reply.hit = index.lookup(msg.identity, msg.tokens, msg.trimmable, now)
+            reply.hit = index.lookup(msg.identity, msg.tokens, msg.trimmable, now, msg.draft)
         elif isinstance(msg, m.CacheStore):
             reply.granted, reply.evict = index.store(msg.entry, msg.trimmable, now)
         elif isinstance(msg, m.CacheDrop):

@@ -404,6 +404,7 @@ class SnapshotMeta(Struct):
     nbytes: int  # KV and recurrent state of target and draft
     kind: SnapshotKind
     last_use: float  # time.time()
+    draft_tokens: int = 0  # the draft's state it holds covers tokens[:draft_tokens] (0: none)
 
 
 class CacheStats(Struct):
@@ -433,6 +434,7 @@ class CacheLookup(Struct, tag=True):
     identity: str
     tokens: list[int]
     trimmable: bool  # pure attention: a longer snapshot may be cut back to the common prefix
+    draft: bool = False  # a joint request's: of entries giving as many tokens, the one whose draft state gives most
 
 
 class CacheStore(Struct, tag=True):

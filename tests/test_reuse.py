@@ -114,6 +114,30 @@ def test_end_of_generation_snapshot_holds_exactly_its_tokens(pairs, service, arc
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_joint_request_after_a_baseline_one_leaves_and_finds_the_drafts_state(pairs, service, arch):
+    """A baseline request and a joint one of the same conversation end in the same tokens: the
+    joint one's snapshots (its answer's end, and the answer as the next turn resends it), holding
+    the draft's state too, replace the baseline one's, and the next joint turn restores the
+    draft's state instead of prefilling its draft over the whole conversation (before, the first
+    snapshot of an id stayed, with no draft state)."""
+    lm, draft = pairs[arch].target, pairs[arch].drafts["perturbed"]
+    engine = reuse_engine(lm, service, draft, draft_budget=3)
+    history = [("system", SYSTEM), ("user", "hello world")]
+    out, _ = run_one(engine, chat(history, mode="baseline"), "base")
+    assert run_one(engine, chat(history, mode="joint"), "joint")[0] == out
+    engine.step()  # the answer as the next turn resends it, prefilled between the turns
+    snaps = list(engine.reuse.store.snapshots.values())
+    (ended,) = [s for s in snaps if s.meta.kind == "generation"]
+    resent = max((s for s in snaps if s.meta.kind == "boundary"), key=lambda s: len(s.meta.tokens))
+    assert len(resent.meta.tokens) > len(ended.meta.tokens) - len(out)  # past the prompt: the answer resent
+    assert all(0 < s.draft_tokens == s.meta.draft_tokens <= len(s.meta.tokens) for s in (ended, resent))
+    req = chat(history + [("assistant", lm.tokenizer.decode(out)), ("user", "tell me a story")], mode="joint")
+    prompt = render_prompt(lm.tokenizer, req)
+    start = engine.reuse.restored(engine.reuse.plan(req, prompt), prompt, joint=True)
+    assert start.pos > 0 and start.draft_pos > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_changed_last_message_reuses_the_previous_boundary(pairs, service, arch):
     lm = pairs[arch].target
     warm, cold = reuse_engine(lm, service), Engine(lm, EngineConfig())

@@ -50,8 +50,9 @@ class CacheClient:
 
     # ---- the calls ----
 
-    def lookup(self, identity: str, tokens: list[int], trimmable: bool) -> Optional[m.CacheHit]:
-        reply = self._call(lambda seq, sid: m.CacheLookup(seq, sid, identity, tokens, trimmable), LOOKUP_TIMEOUT_S)
+    def lookup(self, identity: str, tokens: list[int], trimmable: bool, draft: bool = False) -> Optional[m.CacheHit]:
+        """`draft`: a joint request's (see `CacheLookup`)."""
+        reply = self._call(lambda seq, sid: m.CacheLookup(seq, sid, identity, tokens, trimmable, draft), LOOKUP_TIMEOUT_S)
         return reply.hit if reply else None
 
     def store(self, entry: m.SnapshotMeta, trimmable: bool) -> Optional[list[str]]:

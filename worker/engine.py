@@ -407,6 +407,8 @@ class Engine:
             sampling = sampling_for(x.req, self.config.defaults, self.vocab_size)
             row = Row("\x00extend", prompt, sampling, make_key_fn(sampling.seed), joint=joint)
             row.boundaries = self.reuse.boundaries(plan, s.pos, len(prompt))
+            if joint and s.draft_pos < s.pos == len(x.tokens):  # the target's state whole, the draft's short:
+                row.boundaries = [s.pos]  # kept again, the draft's caught up
             row.on_boundary = lambda n, c, dc, dn: self.reuse.keep_boundary(plan, x.tokens[:n], c, dc, dn)
             try:
                 self.runner.join(row, s.cache, s.pos, s.draft_cache, s.draft_pos)

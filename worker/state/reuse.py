@@ -140,7 +140,7 @@ class PrefixCache:
         return ids
 
     def _restore(self, plan: Plan, prompt: list[int], joint: bool) -> Optional[Start]:
-        hit = self.client.lookup(plan.identity, prompt, self.trimmable)
+        hit = self.client.lookup(plan.identity, prompt, self.trimmable, joint)
         if hit is None:
             return None
         snap = self.store.get(hit.id)
@@ -170,7 +170,8 @@ class PrefixCache:
                 log.error("not keeping a snapshot whose caches disagree with its %d tokens", len(tokens))
                 return
             nbytes = st.state_nbytes(cache) + (st.state_nbytes(draft_cache) if draft_cache else 0)
-            meta = m.SnapshotMeta(entry_id(identity, tokens), identity, list(tokens), nbytes, kind, time.time())
+            meta = m.SnapshotMeta(entry_id(identity, tokens), identity, list(tokens), nbytes, kind, time.time(),
+                                  draft_tokens if draft_cache else 0)
             evict = self.client.store(meta, self.trimmable)
             if evict is None:
                 return
