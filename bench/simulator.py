@@ -254,14 +254,17 @@ class BatchScenario:
     tokens: int = 64
     runs: int = 4
     warm_runs: int = 1
+    first_ms: float = 0.0  # what a round of a shape (rows, drafted, deepest) met the first time adds: a GPU
+    # instantiating its CUDA graphs (an H100's 9B / 0.8B pair: 100-300 ms; docs/scheduler.md, "Stalls")
     switch_ms: float = 0.0  # a joint row that starts or stops drafting moves its cache out of the batch or back:
     # main's engine (issue #53), its round set apart as a batch switch, which no cell sees
 
 
 def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random.Random, spells: Spells,
-                   clock: SimClock) -> tuple[int, float]:
+                   clock: SimClock, met: set | None = None) -> tuple[int, float]:
     """`runs` runs of the batch engine's rounds (the scheduler's plan_round and observe, as the
-    engine calls them): (tokens, seconds)."""
+    engine calls them): (tokens, seconds); `met`: the round shapes met so far (see `first_ms`)."""
+    met = set() if met is None else met
     tokens, start = 0, clock.now
     for run in range(runs):
         clock.now += sc.machine.prefill_s
@@ -278,6 +281,9 @@ def simulate_batch(sched: S.Scheduler, sc: BatchScenario, runs: int, rng: random
             drafting ^= switched
             switched = switched if sc.switch_ms else set()
             round_ms += sc.switch_ms * len(switched)
+            shape = (len(left), sum(lengths), max(lengths, default=0))
+            round_ms += sc.first_ms * (shape not in met)
+            met.add(shape)
             clock.now += round_ms / 1000 * clock.pace
             cycles = []
             for r in list(left):
@@ -304,8 +310,9 @@ def compare_batch(sc: BatchScenario, seed: int, ks=(0, 1, 2, 4),
     for name, fixed in [(f"k={k}", k) for k in ks] + [("adaptive", None)]:
         rng, spells, clock = random.Random(seed), Spells(random.Random(seed + 1), sc.machine), SimClock()
         sched = S.Scheduler(fixed=fixed, b_max=b_max, clock=decisions.perf_counter)
-        simulate_batch(sched, sc, sc.warm_runs, rng, spells, clock)
-        tokens, seconds = simulate_batch(sched, sc, sc.runs, rng, spells, clock)
+        met: set = set()
+        simulate_batch(sched, sc, sc.warm_runs, rng, spells, clock, met)
+        tokens, seconds = simulate_batch(sched, sc, sc.runs, rng, spells, clock, met)
         out[name] = tokens / seconds
     return out
 
@@ -325,6 +332,9 @@ def batch_rows() -> list[BatchScenario]:
     # main's engine: rows moving out of the batch and back, 2 ms each (a probe of 32 rows at 10× a plain round)
     rows += [BatchScenario(f"gpu α={a} N={n} switch", lambda p, t, a=a: a, n, n, GPU_BATCH, H200, runs=3, switch_ms=2.0)
              for a in (0.6, 0.8) for n in (8, 32)]
+    # a GPU's first rounds of each shape (its CUDA graphs instantiated), 150 ms each
+    rows += [BatchScenario(f"gpu α={a} N={n} first shapes", lambda p, t, a=a: a, n, n, GPU_BATCH, H200, runs=3,
+                           first_ms=150.0) for a in (0.6, 0.8) for n in (8, 32)]
     return rows
 
 
