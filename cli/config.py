@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tomllib
+from dataclasses import dataclass
 from typing import Any
 
 EXIT_USAGE = 1  # launch-stack's "the start failed"; argparse's usual 2 means "the worker kept dying" here
@@ -24,38 +25,50 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A flag a config file may set: its action, and whether it is repeatable (`action="append"`)."""
+
+    action: argparse.Action
+    repeatable: bool
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with usage errors exiting 1, so launch-stack's exit codes keep their meaning, and
-    every flag's default shown by --help."""
+    every flag's default shown by --help; `flags` holds each flag added, for a config file."""
 
     def __init__(self, *args, **kwargs):
+        self.flags: list[Flag] = []  # before argparse adds its own --help
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
         if "help" not in kwargs and any(a.startswith("--") for a in args):
             kwargs["help"] = "(default: %(default)s)"  # the formatter shows defaults only beside help text
-        return super().add_argument(*args, **kwargs)
+        action = super().add_argument(*args, **kwargs)
+        self.flags.append(Flag(action, kwargs.get("action") == "append"))
+        return action
 
     def error(self, message: str):
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Long flag name without dashes -> its action, for every flag a file may set."""
+def _flags(parser: ArgumentParser) -> dict[str, Flag]:
+    """Long flag name without dashes -> its flag, for every flag a file may set."""
     out = {}
-    for action in parser._actions:
-        long = [o for o in action.option_strings if o.startswith("--")]
-        if long and action.dest not in ("help", "config"):
-            out[long[0][2:]] = action
+    for flag in parser.flags:
+        long = [o for o in flag.action.option_strings if o.startswith("--")]
+        if long and flag.action.dest not in ("help", "config"):
+            out[long[0][2:]] = flag
     return out
 
 
-def _value(key: str, action: argparse.Action, value: Any) -> Any:
+def _value(key: str, flag: Flag, value: Any) -> Any:
     """The value checked against the flag's type and choices; ValueError names what is wrong."""
+    action = flag.action
     want = action.type
-    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list of strings (or one)
+    if flag.repeatable:  # a list of strings (or one)
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
             raise ValueError(f"`{key}` must be a string or a list of strings, not {type(value).__name__} {value!r}")
@@ -78,7 +91,7 @@ def _value(key: str, action: argparse.Action, value: Any) -> Any:
     return value
 
 
-def load_config(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+def load_config(parser: ArgumentParser, path: str) -> dict[str, Any]:
     """{dest: value} from the file, for parser.set_defaults; ValueError on any problem."""
     try:
         with open(path, "rb") as f:
@@ -94,17 +107,17 @@ def load_config(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
                          f"(known: {', '.join(sorted(flags))})")
     out = {}
     for key, value in data.items():
-        action = flags[key.replace("_", "-")]
-        if action.dest in out:
+        flag = flags[key.replace("_", "-")]
+        if flag.action.dest in out:
             raise ValueError(f"{path}: `{key}` is set twice")
         try:
-            out[action.dest] = _value(key, action, value)
+            out[flag.action.dest] = _value(key, flag, value)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     return out
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def parse_with_config(parser: ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parses argv; values from --config FILE stand in for the defaults, so flags override them."""
     parser.add_argument("--config", metavar="FILE",
                         help="a TOML file of these flags' values (max-active = 2, ...); flags given here override it")

@@ -152,8 +152,8 @@ def test_every_package_is_in_the_wheel():
     assert found == listed
 
 
-# the standard library's: os._exit is documented; argparse has no public way to list a parser's actions
-STDLIB_PRIVATE = {"os._exit", "parser._actions", "argparse._AppendAction"}
+# the standard library's: os._exit is documented
+STDLIB_PRIVATE = {"os._exit"}
 
 
 def _private_reads(tree: ast.AST) -> list[tuple[int, str]]:
