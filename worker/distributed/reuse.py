@@ -18,10 +18,10 @@ class LeaderClient:
     def __init__(self, inner: CacheClient, link: Link):
         self.inner, self.link = inner, link
 
-    def lookup(self, identity: str, tokens: list[int], trimmable: bool) -> Optional[m.CacheHit]:
+    def lookup(self, identity: str, tokens: list[int], trimmable: bool, draft: bool = False) -> Optional[m.CacheHit]:
         hit = None
         try:
-            hit = self.inner.lookup(identity, tokens, trimmable)
+            hit = self.inner.lookup(identity, tokens, trimmable, draft)
         finally:
             self.link.send(ReuseAnswer(hit=hit))
         return hit
@@ -46,7 +46,7 @@ class FollowerClient:
     def __init__(self, link: Link):
         self.link = link
 
-    def lookup(self, identity: str, tokens: list[int], trimmable: bool) -> Optional[m.CacheHit]:
+    def lookup(self, identity: str, tokens: list[int], trimmable: bool, draft: bool = False) -> Optional[m.CacheHit]:
         return self._answer().hit
 
     def store(self, entry: m.SnapshotMeta, trimmable: bool) -> Optional[list[str]]:
