@@ -176,8 +176,7 @@ class PrefixCache:
             if evict is None:
                 return
             self.store.drop(evict)
-            self.store.add(Snapshot(meta, draft_tokens if draft_cache else 0, capture(cache),
-                                    capture(draft_cache) if draft_cache else None))
+            self.store.add(Snapshot(meta, capture(cache), capture(draft_cache) if draft_cache else None))
         except Exception:
             log.exception("could not keep a snapshot")
 

@@ -91,9 +91,13 @@ def trimmable(cache: list) -> bool:
 @dataclass
 class Snapshot:
     meta: m.SnapshotMeta
-    draft_tokens: int  # the draft state holds meta.tokens[:draft_tokens] (0: no draft state)
     target: Optional[State] = None  # None while it is only in its spill file
     draft: Optional[State] = None
+
+    @property
+    def draft_tokens(self) -> int:
+        """The draft state holds meta.tokens[:draft_tokens] (0: no draft state)."""
+        return self.meta.draft_tokens
 
     @property
     def loaded(self) -> bool:
@@ -241,7 +245,8 @@ class SnapshotStore:
                 meta = msgspec.convert(header["meta"], m.SnapshotMeta)
                 if path.name != f"{meta.id}{SUFFIX}":
                     raise ValueError("its name does not match its id")
-                self.snapshots[meta.id] = Snapshot(meta, header["draft_tokens"])
+                meta.draft_tokens = header["draft_tokens"]  # files written before the meta carried it
+                self.snapshots[meta.id] = Snapshot(meta)
             except NotRegular as e:  # never removed: it is not ours
                 log.warning("skipped %s in the cache dir: %s", path.name, e)
             except Exception as e:
