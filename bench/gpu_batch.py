@@ -12,6 +12,8 @@ drafted and accepted tokens are printed. Decode tokens/s count from the round wh
 its first token. The batched roofline: one step reads the weights once and each row's cache.
 `--fixed K...` adds every row joint at a fixed draft length (the ceiling any schedule could reach);
 `--log-dir` writes each joint configuration's decision log; stall rounds print their shape.
+`--bits 4|8` quantizes target and draft weights (group 64): the second table, its roofline read
+from the quantized bytes.
 """
 
 from __future__ import annotations
@@ -245,11 +247,12 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
         tcfg.update(gb.SMALL)
         dcfg.update(gb.SMALL, hidden_size=128, intermediate_size=256)
     bench.progress(f"device {gb.device()}: building the target and the draft")
-    target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
+    target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0, args.bits), gb.build(dcfg, gb.DTYPES["bf16"], 1, args.bits)
     copy_bps = gb.copy_bandwidth(256 << 20 if args.small else 2 << 30)
     weight_bytes = gb.bytes_per_token(target, tcfg)
     vocab = tcfg["vocab_size"]
-    fig: dict = {"device": gb.device(), "copy_bandwidth_GBps": copy_bps / 1e9, "ns": {}, "alphas": args.alphas}
+    fig: dict = {"device": gb.device(), "copy_bandwidth_GBps": copy_bps / 1e9, "ns": {}, "alphas": args.alphas,
+                 "weights": f"{args.bits}-bit (group 64)" if args.bits else "bf16", "weight_bytes_per_step": weight_bytes}
     rows = []
     for n in args.ns:
         runs = _measure(args, target, draft, vocab, n)
@@ -318,7 +321,8 @@ def _verdict(c: dict, key: str, goal: float) -> str:
 
 
 def _footer(fig: dict) -> str:
-    return (f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; α by the draft's intent; joint "
+    return (f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; weights {fig['weights']} "
+            f"({fig['weight_bytes_per_step'] / 2**20:.0f} MiB a step); α by the draft's intent; joint "
             f"schedulers cold at the first timed repeat; goals: {fig['goals']}; plain ÷ roofline: "
             + ", ".join(f"N={n} {f['plain_vs_roofline']:.0%}" for n, f in fig["ns"].items())
             + "; '= BG rows': " + ", ".join(f"N={n} {f['rows_equal_bg']}" for n, f in fig["ns"].items()))
@@ -334,6 +338,8 @@ def add_command(benches) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fixed", type=int, nargs="*", default=[], help="also every row joint at this fixed draft length")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                   help="target and draft weights quantized to this many bits, group 64 (the roofline reads their bytes)")
     p.add_argument("--log-dir", default=None, help="write each joint configuration's decision log here")
     p.add_argument("--sublayers", action="store_true",
                    help="the draft path before the one launch ran on the batch's slots: kernels a sublayer, one token wide")

@@ -28,3 +28,22 @@ def test_fixed_depths_run_beside_adaptive_with_fixed_schedulers_and_ascii_logs(t
         s.plan(["r0"], 1)
         s.flush_log()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["N8-adaptive-a-0.8.jsonl", "N8-fixed-k-2-a-0.8.jsonl"]
+
+
+def test_bits_builds_quantized_weights_and_the_roofline_reads_their_bytes():
+    import pytest
+    from bench import gpu_models
+
+    benches = argparse.ArgumentParser().add_subparsers()
+    gb.add_command(benches)
+    parser = benches.choices["gpu-batch"]
+    assert parser.parse_args(["--bits", "4"]).bits == 4 and parser.parse_args([]).bits is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--bits", "3"])
+    cfg = dict(gpu_models.TARGET_9B, **gpu_models.SMALL)
+    full, four = (gpu_models.build(cfg, gpu_models.DTYPES["bf16"], 0, bits) for bits in (None, 4))
+    assert type(four.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+    ratio = gpu_models.bytes_per_token(four, cfg) / gpu_models.bytes_per_token(full, cfg)
+    assert 0.25 < ratio < 0.35  # 4 bits a weight plus a bf16 scale and bias a group of 64: 0.28 of bf16
+    assert gb.roofline(four, 1e12, gpu_models.bytes_per_token(four, cfg), 8, 128) > \
+        gb.roofline(full, 1e12, gpu_models.bytes_per_token(full, cfg), 8, 128)
