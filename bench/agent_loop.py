@@ -28,7 +28,7 @@ from cli.client import ServerError, complete
 from cli.stack_process import StackError
 
 REUSE_GOAL, TTFT_GOAL, FROM_TURN = 0.90, 5.0, 3
-QUICK = {"prefix_tokens": 600, "max_tokens": 64}
+QUICK = {"prefix_tokens": 600, "max_tokens": 24}
 
 
 def tokens_per_char(url: str) -> float:
