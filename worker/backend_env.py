@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
-# MLX's CUDA backend caches captured graphs by topology and clears the cache whole when full; a
+# MLX's CUDA backend caches captured graphs by topology (least recently used out when full); a
 # target, a draft and the verify widths between them need more entries than the default (each
 # forward would capture its graphs again: docs/design.md, "CUDA graphs"). Larger graphs also mean
 # fewer launches (off macOS only: there the same variable sizes Metal's command buffers).
-CUDA_GRAPH_ENV = {"MLX_CUDA_GRAPH_CACHE_SIZE": "16384"}
+CUDA_GRAPH_ENV = {"MLX_CUDA_GRAPH_CACHE_SIZE": "16384",
+                  # MLX raises "Cache thrashing" once a cache has missed twice its size over the
+                  # process's life: a server that meets new batch topologies for hours would die of it
+                  "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 if sys.platform != "darwin":
     CUDA_GRAPH_ENV["MLX_MAX_OPS_PER_BUFFER"] = "100"
     # cuDNN's attention builds a plan per (rows, query width, cache length): a verify of a few
