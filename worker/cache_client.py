@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Optional
+from typing import Optional, Protocol
 
 import zmq
 
@@ -31,6 +31,23 @@ SYNC_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0  # at start, how long to wait for the connection to the service
 RETRY_AFTER_S = 2.0  # after a timeout; a service that is merely absent costs nothing to ask
 HEARTBEAT_S = 1.0  # when idle, ask for stats this often (keeps them fresh, notices a new service)
+
+
+class ReuseClient(Protocol):
+    """What prefix reuse asks of its cache client: this worker's CacheClient, or a distributed
+    group's rank-0 and follower clients (worker/distributed/reuse.py), which must answer alike."""
+
+    stats: Optional[m.CacheStats]
+
+    def lookup(self, identity: str, tokens: list[int], trimmable: bool, draft: bool = False) -> Optional[m.CacheHit]: ...
+
+    def store(self, entry: m.SnapshotMeta, trimmable: bool) -> Optional[list[str]]: ...
+
+    def drop(self, ids: list[str]) -> None: ...
+
+    def heartbeat(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class CacheClient:

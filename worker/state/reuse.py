@@ -26,7 +26,7 @@ from typing import Optional
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from protocol import messages as m
-from worker.cache_client import CacheClient
+from worker.cache_client import CacheClient, ReuseClient
 from worker.state.snapshots import Snapshot, SnapshotStore, capture, restore, trimmable
 from worker.state import checkpoint as st
 from worker.text import answer_rendered, message_boundaries
@@ -70,7 +70,7 @@ def entry_id(identity: str, tokens: list[int]) -> str:
 
 
 class PrefixCache:
-    def __init__(self, base_identity: str, lm, draft_model, client: CacheClient, store: SnapshotStore,
+    def __init__(self, base_identity: str, lm, draft_model, client: ReuseClient, store: SnapshotStore,
                  prefill_step: int = 512):
         self.base, self.tokenizer = base_identity, lm.tokenizer
         self.model, self.draft_model = lm.model, draft_model
