@@ -11,7 +11,8 @@ its figure is every repeat's tokens over every repeat's time, probes included, a
 drafted and accepted tokens are printed. Decode tokens/s count from the round where every row has
 its first token. The batched roofline: one step reads the weights once and each row's cache.
 `--fixed K...` adds every row joint at a fixed draft length (the ceiling any schedule could reach);
-`--log-dir` writes each joint configuration's decision log; stall rounds print their shape.
+`--log-dir` writes each joint configuration's decision log; stall rounds print their shape; each
+repeat's line ends with MLX's active, cache and peak memory.
 `--bits 4|8` quantizes target and draft weights (group 64): the second table, its roofline read
 from the quantized bytes.
 """
@@ -232,8 +233,17 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
             + f" [stalls {v[-1].stalls}]" + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
-            for k, v in runs.items()))
+            for k, v in runs.items()) + f"; {_memory()}")
     return runs
+
+
+def _memory() -> str:
+    """MLX's memory after a repeat: its arrays, its buffer cache (freed buffers it keeps for reuse)
+    and its peak so far; memory a GPU's driver holds besides (instantiated graphs) is not in them."""
+    import mlx.core as mx
+
+    return ", ".join(f"MLX {name} {f() / 2**30:.1f} GiB" for name, f in (
+        ("active", mx.get_active_memory), ("cache", mx.get_cache_memory), ("peak", mx.get_peak_memory)))
 
 
 def run_gpu_batch(args: argparse.Namespace) -> int:
