@@ -41,6 +41,9 @@ from worker.text import PromptInvalid, answer_message, render_prompt
 
 CALIBRATE_ROWS = 4  # the BLAS's threads are timed at one row and this many (worker/blas_threads.py)
 CALIBRATE_ROUNDS = 4  # timed plain rounds at each (rows, threads)
+# MLX keeps freed buffers for reuse, and a batch's growing contexts leave ever larger ones behind:
+# they go back this often, as mlx-lm's BatchGenerator does, and whenever the batch empties
+CLEAR_CACHE_ROUNDS = 512
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Engine:
         self.kv_budget = config.kv_budget or memory.default_budget(
             memory.weights_bytes(lm.model) + (memory.weights_bytes(draft.model) if draft else 0))
         self._reserved = 0  # bytes the admitted requests' worst cases hold
+        self._rounds_uncleared = 0  # rounds since MLX's buffer cache was last emptied
         self._extensions: deque[Extension] = deque()  # prefilled at the next step, before admitting
         self._params = _n_params(lm.model)  # what a prompt token's prefill costs, for blas_threads
         self._draft_params = _n_params(draft.model) if draft else 0
@@ -250,6 +254,10 @@ class Engine:
             self._admit(events)
             if self._active:
                 self._round(events)
+                self._rounds_uncleared += 1
+        if self._rounds_uncleared and (not self._active or self._rounds_uncleared >= CLEAR_CACHE_ROUNDS):
+            mx.clear_cache()
+            self._rounds_uncleared = 0
         if not self._active:  # idle: the decision log's held-back records go out now
             self.scheduler.flush_log()
         return events
