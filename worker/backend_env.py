@@ -11,7 +11,7 @@ import sys
 # fewer launches (off macOS only: there the same variable sizes Metal's command buffers).
 CUDA_GRAPH_ENV = {"MLX_CUDA_GRAPH_CACHE_SIZE": "16384",
                   # MLX raises "Cache thrashing" once a cache has missed twice its size over the
-                  # process's life: a server that meets new batch topologies for hours would die of it
+                  # process's life: a long-lived server would then fail every round meeting a new topology
                   "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 if sys.platform != "darwin":
     CUDA_GRAPH_ENV["MLX_MAX_OPS_PER_BUFFER"] = "100"
