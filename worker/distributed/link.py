@@ -36,7 +36,7 @@ class StepInput(msgspec.Struct, tag="step", array_like=True):
 
     submitted: list[Submitted] = []
     cancels: list[str] = []
-    drafting: bool = False  # the scheduler's state that admission reads (Engine._alone_and_plain_first)
+    drafting: bool = False  # the scheduler's state that admission reads (a lone plain request goes first)
     digest: int = 0  # rank 0's tokens and ends of the previous step (a follower checks its own)
     idle: bool = False  # a heartbeat: no step follows
     reuse: bool = False  # prefix reuse is on (it is turned on after the warm-up)

@@ -68,7 +68,7 @@ class _Weights:
 
 
 def prepare(model, layers: list) -> Optional[_Weights]:
-    """Stacks the sublayer path's prepared weights (`layers`, fast_draft._prepare) by kind; None
+    """Stacks the sublayer path's prepared weights (`layers`, as fast_draft prepares them) by kind; None
     where the kernel does not apply (RoPE scaling, shapes it does not take)."""
     text = model.language_model
     args = text.args

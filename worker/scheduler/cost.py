@@ -46,7 +46,7 @@ class CostModel:
     (interpolated, bounded by cells that do more work): table.py.
     """
 
-    PRIOR_SLOPE = 0.25  # a depth more, with one drafting depth measured: this share of a plain round (table._interpolate)
+    PRIOR_SLOPE = 0.25  # a depth more, with one drafting depth measured: this share of a plain round (the table's interpolation)
 
     def __init__(self):
         self.cells: dict[Cell, list[tuple[int, float]]] = {}  # (round, seconds)

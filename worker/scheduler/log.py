@@ -51,7 +51,7 @@ def replay(lines: Sequence[str]) -> list[str]:
             continue
         rec = json.loads(line)
         if rec.get("held") or "observed" in rec:
-            continue  # a round the previous decision governed (Scheduler._hold_rounds), or a round's time
+            continue  # a round the previous decision governed (the scheduler's held rounds), or a round's time
         got, logged = decide_again(rec).to_log(), Decision.from_log(rec).to_log()
         for key in ("survival", "candidates", "budget", "allocation"):
             if not _same(got[key], logged[key]):

@@ -77,7 +77,7 @@ def probe_interval(table: dict[Cell, float], n_requests: int, counts: dict[Cell,
     what a probe drafts (None: one token for each of them). Its expected loss is its cell's cost
     less the plain time of the tokens it expects (N + its gain), plus `discard` (the forward
     computed ahead that a batched probe throws away), `restart` (what the plain rounds after it
-    pay to start the pipeline again: Scheduler._stop_seconds) and the probes expected to follow a
+    pay to start the pipeline again: the scheduler's stop seconds) and the probes expected to follow a
     hit; `catch_up`, what its drafts first feed, adds to it unless it comes within FREE_SIT_OUT
     rounds. Probes come as often as keeps that under PROBE_SHARE of the plain time between them:
     every FREE_SIT_OUT rounds where a probe costs next to nothing (and no draft is `behind`
