@@ -153,3 +153,25 @@ def test_a_draft_on_its_kernels_path_keeps_the_batch_exact(rows, monkeypatch):
     joint, plain = run(True), run(False)
     assert joint == plain
     assert bool(calls) == (rows == 1)
+
+
+def test_recurrent_rows_rearranged_take_their_own_arrays():
+    """A leave, a join (with and without state of its own) and a truncation put each recurrent
+    row's arrays where the new order says: old rows by index, joining rows their own or zeros."""
+    from worker.batch.slots import SlotArrays
+
+    layer = SlotArrays(2)
+    old = [mx.arange(4 * 3).reshape(4, 3).astype(mx.float32), mx.arange(4 * 2).reshape(4, 2).astype(mx.bfloat16)]
+    mine = [mx.full((1, 3), 7.0), None]  # a joining row with a conv window and no state
+    cases = [([0, 1, 2], {}), ([0, 3, 2], {}), ([2, 0, 1, 3], {}), ([3, -1, 0, -1], {1: mine}), ([-1], {})]
+    for order, fresh in cases:
+        layer.arrays = list(old)
+        layer.apply(order, fresh)
+        for e, a in enumerate(layer.arrays):
+            want = [old[e][s] if s >= 0 else (fresh[i][e][0] if i in fresh and fresh[i][e] is not None
+                                              else mx.zeros(old[e].shape[1:], old[e].dtype))
+                    for i, s in enumerate(order)]
+            assert a.dtype == old[e].dtype and a.tolist() == mx.stack(want).tolist(), (order, e)
+    layer.arrays = [None, None]
+    layer.apply([-1, -1], {0: mine})
+    assert layer.arrays[0].tolist() == [[7.0] * 3, [0.0] * 3] and layer.arrays[1] is None

@@ -272,18 +272,8 @@ class SlotArrays:
         `fresh` (zeros where it has none: the state before any token)."""
         for e, a in enumerate(self.arrays):
             like = a if a is not None else next((f[e] for f in fresh.values() if f and f[e] is not None), None)
-            if like is None:
-                continue
-            parts = []
-            for i, src in enumerate(order):
-                f = fresh.get(i)
-                if src >= 0 and a is not None:
-                    parts.append(a[src: src + 1])
-                elif f and f[e] is not None:
-                    parts.append(f[e].astype(like.dtype))
-                else:
-                    parts.append(mx.zeros((1, *like.shape[1:]), like.dtype))
-            self.arrays[e] = mx.concatenate(parts) if parts else None
+            if like is not None:
+                self.arrays[e] = _rearranged(a, like, order, {i: f[e] if f else None for i, f in fresh.items()})
 
     def row(self, slot: int) -> list[Optional[mx.array]]:
         return [None if a is None else a[slot: slot + 1] for a in self.arrays]
@@ -291,6 +281,31 @@ class SlotArrays:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays if a is not None)
+
+
+def _rearranged(a: Optional[mx.array], like: mx.array, order: list[int],
+                fresh: dict[int, Optional[mx.array]]) -> Optional[mx.array]:
+    """Rows in a new order: old rows only rearranged move in one scatter of the moved rows (a
+    leave moves one), joining rows in one gather; a join or a leave adds the same few operations
+    at every row count."""
+    if not order:
+        return None
+    old = 0 if a is None else a.shape[0]
+    if a is not None and all(0 <= s < old for s in order):
+        moves = [(i, s) for i, s in enumerate(order) if i != s]
+        if moves:
+            a = mx.array(a)  # the scatter below must not change the caller's array
+            a[mx.array([i for i, _ in moves])] = a[mx.array([s for _, s in moves])]
+        return a[: len(order)]
+    extra, index = [], []
+    for i, src in enumerate(order):
+        if src >= 0 and a is not None:
+            index.append(src)
+            continue
+        f = fresh.get(i)
+        index.append(old + len(extra))
+        extra.append(f.astype(like.dtype) if f is not None else mx.zeros((1, *like.shape[1:]), like.dtype))
+    return mx.concatenate(([a] if a is not None else []) + extra)[mx.array(index)]
 
 
 class StateView(ArraysCache):
