@@ -163,7 +163,8 @@ def test_recurrent_rows_rearranged_take_their_own_arrays():
     layer = SlotArrays(2)
     old = [mx.arange(4 * 3).reshape(4, 3).astype(mx.float32), mx.arange(4 * 2).reshape(4, 2).astype(mx.bfloat16)]
     mine = [mx.full((1, 3), 7.0), None]  # a joining row with a conv window and no state
-    cases = [([0, 1, 2], {}), ([0, 3, 2], {}), ([2, 0, 1, 3], {}), ([3, -1, 0, -1], {1: mine}), ([-1], {})]
+    cases = [([0, 1, 2], {}), ([0, 3, 2], {}), ([2, 0, 1, 3], {}), ([0, 1, 2, 3, -1], {4: mine}),
+             ([3, -1, 0, -1], {1: mine}), ([-1], {})]
     for order, fresh in cases:
         layer.arrays = list(old)
         layer.apply(order, fresh)

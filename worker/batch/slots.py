@@ -305,7 +305,8 @@ def _rearranged(a: Optional[mx.array], like: mx.array, order: list[int],
         f = fresh.get(i)
         index.append(old + len(extra))
         extra.append(f.astype(like.dtype) if f is not None else mx.zeros((1, *like.shape[1:]), like.dtype))
-    return mx.concatenate(([a] if a is not None else []) + extra)[mx.array(index)]
+    rows = mx.concatenate(([a] if a is not None else []) + extra)
+    return rows if index == list(range(len(rows))) else rows[mx.array(index)]
 
 
 class StateView(ArraysCache):
