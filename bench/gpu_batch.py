@@ -12,7 +12,7 @@ drafted and accepted tokens are printed. Decode tokens/s count from the round wh
 its first token. The batched roofline: one step reads the weights once and each row's cache.
 `--fixed K...` adds every row joint at a fixed draft length (the ceiling any schedule could reach);
 `--log-dir` writes each joint configuration's decision log; stall rounds print their shape; each
-repeat's line ends with MLX's active, cache and peak memory.
+repeat's line ends with MLX's active, cache and peak memory and the GPU's used memory.
 `--bits 4|8` quantizes target and draft weights (group 64): the second table, its roofline read
 from the quantized bytes.
 """
@@ -239,11 +239,29 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
 
 def _memory() -> str:
     """MLX's memory after a repeat: its arrays, its buffer cache (freed buffers it keeps for reuse)
-    and its peak so far; memory a GPU's driver holds besides (instantiated graphs) is not in them."""
+    and its peak so far; and where `nvidia-smi` answers, the GPU's used memory, which also holds
+    what the driver keeps besides (instantiated CUDA graphs)."""
     import mlx.core as mx
 
-    return ", ".join(f"MLX {name} {f() / 2**30:.1f} GiB" for name, f in (
+    mlx = ", ".join(f"MLX {name} {f() / 2**30:.1f} GiB" for name, f in (
         ("active", mx.get_active_memory), ("cache", mx.get_cache_memory), ("peak", mx.get_peak_memory)))
+    used = _gpu_used_mib()
+    return mlx if used is None else f"{mlx}, GPU used {used / 1024:.1f} GiB"
+
+
+def _gpu_used_mib() -> Optional[int]:
+    """The first GPU's used memory as `nvidia-smi` reports it (MiB); None without one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return int(out[0]) if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def run_gpu_batch(args: argparse.Namespace) -> int:

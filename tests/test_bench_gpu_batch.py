@@ -47,3 +47,13 @@ def test_bits_builds_quantized_weights_and_the_roofline_reads_their_bytes():
     assert 0.25 < ratio < 0.35  # 4 bits a weight plus a bf16 scale and bias a group of 64: 0.28 of bf16
     assert gb.roofline(four, 1e12, gpu_models.bytes_per_token(four, cfg), 8, 128) > \
         gb.roofline(full, 1e12, gpu_models.bytes_per_token(full, cfg), 8, 128)
+
+
+def test_a_repeat_line_adds_the_gpu_used_memory_where_nvidia_smi_answers(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 46336\necho 100\n")  # MiB of the first GPU, then a second's
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert gb._memory().endswith(", GPU used 45.2 GiB") and gb._memory().startswith("MLX active ")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "GPU" not in gb._memory()
