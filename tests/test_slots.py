@@ -176,3 +176,23 @@ def test_recurrent_rows_rearranged_take_their_own_arrays():
     layer.arrays = [None, None]
     layer.apply([-1, -1], {0: mine})
     assert layer.arrays[0].tolist() == [[7.0] * 3, [0.0] * 3] and layer.arrays[1] is None
+
+
+def test_a_rows_move_writes_the_slab_in_place_not_a_copy_of_it():
+    """Moving a row into another's slot (a leave) rewrites that slot only: the slab keeps its
+    memory where a scatter reading its own input would copy all of it first."""
+    import numpy as np
+
+    from worker.batch.slots import SlotKV, Span
+
+    slab = SlotKV()
+    rows = mx.random.normal((4, 2, 64, 8)).astype(mx.float16)
+    slab.write(Span(0, 4, (0,) * 4, (64,) * 4), mx.zeros((4,), mx.int32), rows, rows)
+    slab.move_rows([(0, 3)], 4)
+    mx.eval(slab.parts())
+    where = np.asarray(slab.keys[0]).ctypes.data
+    slab.move_rows([(1, 2)], 4)
+    mx.eval(slab.parts())
+    assert np.asarray(slab.keys[0]).ctypes.data == where
+    held = slab.keys[0][:, :, :64]  # the slab's capacity runs past the 64 positions written
+    assert mx.array_equal(held[1], rows[2]).item() and mx.array_equal(held[0], rows[3]).item()

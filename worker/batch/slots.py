@@ -126,8 +126,10 @@ class SlotKV:
         self.reserve(slots, 0)
         dst = mx.array([d for d, _ in moves])
         src = mx.array([s for _, s in moves])
-        for part in self.parts():
-            part[dst] = part[src]
+        moved = [part[src] for part in self.parts()]
+        mx.eval(moved)  # read apart first: a scatter whose input a pending read holds copies the whole slab
+        for part, rows in zip(self.parts(), moved):
+            part[dst] = rows
 
     def row(self, slot: int, length: int):
         """A copy of a row as mlx-lm's KVCache, or QuantizedKVCache (a snapshot's form)."""
