@@ -12,26 +12,20 @@ One decode step's attention over the 32 layers of a Llama-3.1-8B shape, medians 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from bench.gpu_models import median_time
+
 SHAPE = dict(layers=32, kv_heads=8, repeats=4, dim=128)  # Llama-3.1-8B's attention
 SMALL = dict(layers=2, kv_heads=2, repeats=2, dim=64)
 
 
 def _median_ms(fn: Callable[[], list], reps: int) -> float:
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] * 1e3
+    return median_time(fn, reps) * 1e3
 
 
 def _reference(q: mx.array, k: mx.array, v: mx.array, causal: bool) -> mx.array:
@@ -43,7 +37,8 @@ def _reference(q: mx.array, k: mx.array, v: mx.array, causal: bool) -> mx.array:
 
 
 def forms(q: mx.array, k: mx.array, v: mx.array, bits: int, causal: bool):
-    """The two forms' attention over one layer's packed keys and values (callables)."""
+    """The two forms' attention over one layer's packed keys and values (callables), and the
+    float32 reference over the same packed values."""
     pk, pv = mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits)
     scale, mask = q.shape[-1] ** -0.5, "causal" if causal else None
 
