@@ -281,6 +281,12 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
     vocab = tcfg["vocab_size"]
     fig: dict = {"device": gb.device(), "copy_bandwidth_GBps": copy_bps / 1e9, "ns": {}, "alphas": args.alphas,
                  "weights": f"{args.bits}-bit (group 64)" if args.bits else "bf16", "weight_bytes_per_step": weight_bytes}
+    from bench.gpu_rounds import slab_write_check
+    from worker.kernels import kv_write
+
+    fig["slab_write"] = slab_write_check()
+    kv_write.set_enabled(not args.slab_scatter)
+    bench.progress(f"slab write in place against the scatter: {fig['slab_write']}")
     rows = []
     for n in args.ns:
         runs = _measure(args, target, draft, vocab, n)
@@ -371,6 +377,8 @@ def add_command(benches) -> None:
     p.add_argument("--log-dir", default=None, help="write each joint configuration's decision log here")
     p.add_argument("--sublayers", action="store_true",
                    help="the draft path before the one launch ran on the batch's slots: kernels a sublayer, one token wide")
+    p.add_argument("--slab-scatter", action="store_true",
+                   help="attention slabs written by MLX's scatter, as before the in-place write (which may copy them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu_batch)
 

@@ -174,3 +174,35 @@ def mlx_lm_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
         if len(out) == 1:
             t_first = time.perf_counter()
     return (n - 1) / (time.perf_counter() - t_first), out
+
+
+
+def slab_write_check(dtype=mx.bfloat16) -> dict:
+    """The in-place slab write (worker/kernels/kv_write.py) against the scatter the CPU runs: rows
+    1-3 of a 5-slot slab take 3 positions each at uneven lengths. Equal, and the memory the write
+    took beyond what was held, against one slab (a write that copied the slab takes one or more)."""
+    from worker.batch.slots import SlotKV, Span
+    from worker.kernels import kv_write
+
+    if not kv_write.available():
+        return {"kernel": "not run (no CUDA GPU)"}
+    mx.random.seed(3)
+    base = mx.random.normal((5, 2, 300, 64)).astype(dtype)
+    k, v = mx.random.normal((3, 2, 3, 64)).astype(dtype), mx.random.normal((3, 2, 3, 64)).astype(dtype)
+    lengths = (7, 41, 255)
+    offsets = mx.array(lengths)
+    slab = SlotKV()
+    slab.keys, slab.values = [base + 0], [base + 1]
+    mx.eval(slab.parts(), k, v, offsets)
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    slab.write(Span(1, 4, lengths, (3, 3, 3)), offsets, k, v)
+    mx.eval(slab.parts())
+    took = mx.get_peak_memory() - held
+    rows, pos = mx.arange(1, 4)[:, None], offsets[:, None] + mx.arange(3)[None]
+    want_k, want_v = base + 0, base + 1
+    want_k[rows, :, pos] = k.transpose(0, 2, 1, 3)
+    want_v[rows, :, pos] = v.transpose(0, 2, 1, 3)
+    return {"kernel": "on", "keys_equal": bool(mx.array_equal(slab.keys[0], want_k).item()),
+            "values_equal": bool(mx.array_equal(slab.values[0], want_v).item()),
+            "took_over_slab": took / base.nbytes}

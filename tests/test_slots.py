@@ -196,3 +196,27 @@ def test_a_rows_move_writes_the_slab_in_place_not_a_copy_of_it():
     assert np.asarray(slab.keys[0]).ctypes.data == where
     held = slab.keys[0][:, :, :64]  # the slab's capacity runs past the 64 positions written
     assert mx.array_equal(held[1], rows[2]).item() and mx.array_equal(held[0], rows[3]).item()
+
+
+def test_a_gpus_wide_forward_writes_the_slab_in_place_and_a_one_token_forward_scatters(monkeypatch):
+    """Where the in-place kernel runs, a verify or prompt chunk (wider than one token) takes it and
+    a plain round's one-token write keeps MLX's scatter; a quantized slab always scatters."""
+    from worker.batch.slots import SlotKV, Span
+    from worker.kernels import kv_write
+    from worker.kvformat import KVFormat
+
+    calls = []
+
+    def fake_write(keys, values, start, offsets, k, v):
+        calls.append((start, k.shape[2]))
+        return keys, values
+
+    monkeypatch.setattr(kv_write, "takes", lambda slab, new: True)
+    monkeypatch.setattr(kv_write, "write", fake_write)
+    new = mx.ones((2, 2, 3, 32))
+    for fmt in (None, KVFormat(bits=8, group_size=32)):
+        slab = SlotKV() if fmt is None else SlotKV(fmt=fmt)
+        slab.write(Span(0, 2, (0, 0), (3, 3)), mx.array([0, 0]), new, new)
+        slab.write(Span(0, 2, (3, 3), (1, 1)), mx.array([3, 3]), new[:, :, :1], new[:, :, :1])
+        mx.eval(slab.parts())
+    assert calls == [(0, 3)]

@@ -22,6 +22,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from worker.kernels import kv_write
 from worker.kvformat import NATIVE, KVFormat, attend
 
 STEP = 256  # positions a slab grows by
@@ -104,6 +105,10 @@ class SlotKV:
         w = keys.shape[2]
         new_k, new_v = self.fmt.encode(keys), self.fmt.encode(values)
         self.reserve(span.stop, max(span.lengths) + w, (new_k, new_v))
+        if w > 1 and not self.fmt.quantized and kv_write.takes(self.keys[0], keys):  # a GPU's wide forward: in place
+            self.keys[0], self.values[0] = kv_write.write(self.keys[0], self.values[0], span.start, offsets,
+                                                          keys, values)
+            return
         if span.even:
             n = span.lengths[0]
             for part, new in zip(self.parts(), new_k + new_v):
