@@ -285,7 +285,7 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
     from worker.kernels import kv_write
 
     fig["slab_write"] = slab_write_check()
-    kv_write.set_enabled(not args.slab_scatter)
+    kv_write.set_mode("none" if args.slab_scatter else "wide")
     bench.progress(f"slab write in place against the scatter: {fig['slab_write']}")
     rows = []
     for n in args.ns:

@@ -211,7 +211,7 @@ def test_a_gpus_wide_forward_writes_the_slab_in_place_and_a_one_token_forward_sc
         calls.append((start, k.shape[2]))
         return keys, values
 
-    monkeypatch.setattr(kv_write, "takes", lambda slab, new: True)
+    monkeypatch.setattr(kv_write, "available", lambda: True)
     monkeypatch.setattr(kv_write, "write", fake_write)
     new = mx.ones((2, 2, 3, 32))
     for fmt in (None, KVFormat(bits=8, group_size=32)):

@@ -105,7 +105,7 @@ class SlotKV:
         w = keys.shape[2]
         new_k, new_v = self.fmt.encode(keys), self.fmt.encode(values)
         self.reserve(span.stop, max(span.lengths) + w, (new_k, new_v))
-        if w > 1 and not self.fmt.quantized and kv_write.takes(self.keys[0], keys):  # a GPU's wide forward: in place
+        if not self.fmt.quantized and kv_write.takes(self.keys[0], keys):  # a GPU's wide forward: in place
             self.keys[0], self.values[0] = kv_write.write(self.keys[0], self.values[0], span.start, offsets,
                                                           keys, values)
             return

@@ -27,24 +27,33 @@ _SOURCE = """
 """
 
 _kernel = None
-_enabled = True
+_mode = "wide"  # which writes take the kernel where it runs: "wide", "every", "none"
 
 
-def set_enabled(on: bool) -> None:
-    """Off: slabs take MLX's scatter on every device (a bench's side by side)."""
-    global _enabled
-    _enabled = on
+def set_mode(mode: str) -> None:
+    """A bench's side by side: "wide" (as served: forwards wider than one token), "every" (one-token
+    forwards too) or "none" (MLX's scatter everywhere)."""
+    global _mode
+    if mode not in ("wide", "every", "none"):
+        raise ValueError(f"slab write mode {mode!r}: wide, every or none")
+    _mode = mode
+
+
+def mode() -> str:
+    return _mode
 
 
 def available() -> bool:
     """True where the kernel runs: a CUDA GPU is the default device (and it is not switched off)."""
-    return _enabled and gdn.available()
+    return _mode != "none" and gdn.available()
 
 
 def takes(slab: mx.array, new: mx.array) -> bool:
-    """A slab of the new keys' own float type, head dims the kernel's block holds."""
-    return available() and slab.dtype == new.dtype and slab.dtype in (mx.bfloat16, mx.float16, mx.float32) \
-        and new.shape[-1] <= 1024
+    """The kernel writes these new keys [B, H, W, D]: a forward wider than one token (one-token
+    forwards keep the scatter: the kernel's graph cut costs a plain round more than its copy),
+    into a slab of their own float type, head dims a block holds."""
+    return available() and (new.shape[2] > 1 or _mode == "every") and slab.dtype == new.dtype \
+        and slab.dtype in (mx.bfloat16, mx.float16, mx.float32) and new.shape[-1] <= 1024
 
 
 def write(keys: mx.array, values: mx.array, start: int, offsets: mx.array, k_new: mx.array,
