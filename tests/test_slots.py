@@ -200,7 +200,8 @@ def test_a_rows_move_writes_the_slab_in_place_not_a_copy_of_it():
 
 def test_a_gpus_wide_forward_writes_the_slab_in_place_and_a_one_token_forward_scatters(monkeypatch):
     """Where the in-place kernel runs, a verify or prompt chunk (wider than one token) takes it and
-    a plain round's one-token write keeps MLX's scatter; a quantized slab always scatters."""
+    a plain round's one-token write keeps MLX's scatter unless the slab is big; a quantized slab
+    always scatters."""
     from worker.batch.slots import SlotKV, Span
     from worker.kernels import kv_write
     from worker.kvformat import KVFormat
@@ -220,3 +221,8 @@ def test_a_gpus_wide_forward_writes_the_slab_in_place_and_a_one_token_forward_sc
         slab.write(Span(0, 2, (3, 3), (1, 1)), mx.array([3, 3]), new[:, :, :1], new[:, :, :1])
         mx.eval(slab.parts())
     assert calls == [(0, 3)]
+    monkeypatch.setattr(kv_write, "BIG", 1)  # every slab big: one-token writes take the kernel too
+    slab = SlotKV()
+    slab.write(Span(0, 2, (0, 0), (3, 3)), mx.array([0, 0]), new, new)
+    slab.write(Span(0, 2, (3, 3), (1, 1)), mx.array([3, 3]), new[:, :, :1], new[:, :, :1])
+    assert calls == [(0, 3), (0, 3), (0, 1)]

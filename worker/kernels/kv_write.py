@@ -26,6 +26,7 @@ _SOURCE = """
   if (d == 0 && b == 0 && blockIdx.y == 0) done[0] = 1;
 """
 
+BIG = 256 << 20  # a layer's keys and values: copying them costs a cut's ~0.2 ms (docs/design.md)
 _kernel = None
 _mode = "wide"  # which writes take the kernel where it runs: "wide", "every", "none"
 
@@ -49,10 +50,11 @@ def available() -> bool:
 
 
 def takes(slab: mx.array, new: mx.array) -> bool:
-    """The kernel writes these new keys [B, H, W, D]: a forward wider than one token (one-token
-    forwards keep the scatter: the kernel's graph cut costs a plain round more than its copy),
-    into a slab of their own float type, head dims a block holds."""
-    return available() and (new.shape[2] > 1 or _mode == "every") and slab.dtype == new.dtype \
+    """The kernel writes these new keys [B, H, W, D] into a slab of their own float type: a forward
+    wider than one token, or any into a layer's slab of BIG bytes or more (a one-token forward's
+    copy of a smaller slab costs less than the kernel's graph cut)."""
+    big = 2 * slab.nbytes >= BIG  # keys and values
+    return available() and (new.shape[2] > 1 or big or _mode == "every") and slab.dtype == new.dtype \
         and slab.dtype in (mx.bfloat16, mx.float16, mx.float32) and new.shape[-1] <= 1024
 
 
