@@ -1,7 +1,8 @@
-"""Attention slab writes three ways, side by side in one process on the gpu-batch shapes
+"""Attention slab writes four ways, side by side in one process on the gpu-batch shapes
 (worker/kernels/kv_write.py, docs/design.md "Slab writes on a GPU"): "wide" (as served: the
 in-place kernel for forwards wider than one token, MLX's scatter for one-token ones), "every" (the
-kernel for every write) and "none" (the scatter everywhere, which a GPU may copy by timing). Each
+kernel for every write), "none" (the scatter everywhere, which a GPU may copy by timing) and
+"settle" (the scatter, the batch waiting for the device before it encodes each round). Each
 repeat runs, for each way, every row plain, every row joint under the adaptive scheduler (one
 scheduler a way, kept across repeats) and every row joint 2 deep, α = 0.8 by construction; it
 prints tokens/s, the ratios to plain, drafted/accepted and the rounds over 3x the run's median
@@ -17,7 +18,8 @@ import argparse
 import statistics
 import time
 
-MODES = ("wide", "every", "none")
+from worker.kernels.kv_write import MODES
+
 
 
 def _slow(rounds: list[float]) -> str:

@@ -19,3 +19,29 @@ def test_a_way_that_is_not_one_is_refused_by_name():
 
     with pytest.raises(ValueError, match="slab write mode 'all'"):
         kv_write.set_mode("all")
+
+
+def test_a_settling_batch_waits_for_the_device_before_it_encodes_each_round(monkeypatch):
+    """In "settle" (a lab way) every decode round, plain or drafting, waits for the device before
+    it is encoded; otherwise no round waits; the tokens stay the target's own."""
+    import mlx.core as mx
+
+    from bench import gpu_batch as g
+    from bench import gpu_models as gb
+    from worker.kernels import fast_draft
+    from worker.scheduler import Scheduler
+
+    cfg = dict(gb.TARGET_9B, **gb.SMALL)
+    target, draft = gb.build(cfg, mx.float32, 0), gb.build(dict(gb.DRAFT_08B, **gb.SMALL), mx.float32, 1)
+    prompts, vocab = g._prompts(2, 8, cfg["vocab_size"]), cfg["vocab_size"]
+    waits = []
+    monkeypatch.setattr(mx, "synchronize", lambda *a: waits.append(1))
+    ref = g.verity_run(target, prompts, 6).tokens
+    assert waits == []
+    monkeypatch.setattr(kv_write, "settles", lambda: True)
+    g.verity_run(target, prompts, 6)
+    assert len(waits) >= 5  # 6 tokens a row: the prompt's last forward gives the first
+    waits.clear()
+    joint = g.verity_run(target, prompts, 6, draft, ref, 0.8, vocab, Scheduler(fixed=2), 1,
+                         fast_draft.where_it_runs(draft))
+    assert joint.tokens == ref and len(waits) >= joint.drafted // 4 > 0

@@ -21,6 +21,7 @@ from worker.batch import drafts as dr
 from worker.batch import select
 from worker.batch.rows import CycleStats, Pending, Phase, Row, RowOutcome, advance
 from worker.batch.slotbatch import SlotBatch
+from worker.kernels import kv_write
 from worker.kvformat import NATIVE, KVFormat
 from worker.prefill_cost import PrefillCost, default_bound_s
 from worker.joint.sampling import make_key_fn
@@ -261,6 +262,8 @@ class BatchRunner:
         rows = [self.rows[r] for r in ids]
         f = self.target.forward(ids, ys[:, None], [1] * len(ids))
         tokens, lps = select.plain(rows, f.logits[:, 0], ys)
+        if kv_write.settles():
+            mx.synchronize()
         mx.async_eval(tokens, *[lp for lp in lps if lp is not None])
         self.target.commit(f, [1] * len(ids))
         values = ys.tolist()
@@ -279,6 +282,8 @@ class BatchRunner:
         jids = self.draft.arrange({r for r in ids if self.rows[r].joint})
         where = {r: i for i, r in enumerate(ids)}
         jks = [ks[where[r]] for r in jids]
+        if kv_write.settles():
+            mx.synchronize()
         t0 = time.perf_counter()
         fed = dr.catch_up(self.draft, jids, self.rows, jks)
         if fed:

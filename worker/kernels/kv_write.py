@@ -28,16 +28,24 @@ _SOURCE = """
 
 BIG = 256 << 20  # a layer's keys and values: copying them costs a cut's ~0.2 ms (docs/design.md)
 _kernel = None
-_mode = "wide"  # which writes take the kernel where it runs: "wide", "every", "none"
+MODES = ("wide", "every", "none", "settle")
+_mode = "wide"  # how slabs are written where the kernel runs: one of MODES
 
 
 def set_mode(mode: str) -> None:
-    """A bench's side by side: "wide" (as served: forwards wider than one token), "every" (one-token
-    forwards too) or "none" (MLX's scatter everywhere)."""
+    """A bench's side by side: "wide" (as served: the kernel for forwards wider than one token and
+    big slabs), "every" (every write), "none" (MLX's scatter everywhere), "settle" (the scatter,
+    with the batch waiting for the device before it encodes each round: `settles`)."""
     global _mode
-    if mode not in ("wide", "every", "none"):
-        raise ValueError(f"slab write mode {mode!r}: wide, every or none")
+    if mode not in MODES:
+        raise ValueError(f"slab write mode {mode!r}: one of {', '.join(MODES)}")
     _mode = mode
+
+
+def settles() -> bool:
+    """The batch waits for the device before it encodes a round, so MLX's scatter finds the slab
+    let go by the round before and writes it in place (a lab mode)."""
+    return _mode == "settle" and mx.default_device() != mx.cpu
 
 
 def mode() -> str:
@@ -46,7 +54,7 @@ def mode() -> str:
 
 def available() -> bool:
     """True where the kernel runs: a CUDA GPU is the default device (and it is not switched off)."""
-    return _mode != "none" and gdn.available()
+    return _mode not in ("none", "settle") and gdn.available()
 
 
 def takes(slab: mx.array, new: mx.array) -> bool:
