@@ -44,6 +44,7 @@ class Run:
     rounds: list = field(default_factory=list)  # each timed round's seconds
     shapes: list = field(default_factory=list)  # each timed round's (rows, widest draft, drafted tokens)
     one_launch: str = ""  # the draft's one-launch step after the run: on, timed out (its flag set), off
+    differ: list = field(default_factory=list)  # joint runs: `divergences` from plain's tokens
 
     @property
     def stalls(self) -> str:
@@ -141,6 +142,28 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
                _one_launch(draft_forward))
 
 
+def divergences(target, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]) -> list[tuple]:
+    """Rows whose tokens differ from plain's: (row, first differing position, the target's top-two
+    logit gap there and its top logit, float32, from one forward over the prompt and plain's tokens
+    before it). A wide forward rounds otherwise than one-token ones, so with random bf16 weights
+    near-ties flip (docs/design.md, "Exactness"); a gap far above bf16's rounding points at a fault."""
+    import mlx.core as mx
+
+    out = []
+    for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            top = mx.sort(target(mx.array([p + a[:at]]))[0, -1].astype(mx.float32))[-2:].tolist()
+            out.append((i, at, round(top[1] - top[0], 4), round(top[1], 2)))
+    return out
+
+
+def said_divergences(run: Run, rows: int) -> str:
+    """`= plain 7/8 [row 3 at 37: gap 0.0156 of 4.2]`: joint rows equal to plain's, and where not."""
+    each = "; ".join(f"row {i} at {at}: gap {gap} of {top}" for i, at, gap, top in run.differ)
+    return f"= plain {rows - len(run.differ)}/{rows}" + (f" [{each}]" if each else "")
+
+
 def _one_launch(forward) -> str:
     """Whether the draft's one-launch step is on, timed out in a barrier since it was last asked, or off."""
     from worker.kernels import persistent_draft
@@ -229,10 +252,12 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
         for c in configs:
             runs[c.name].append(verity_run(target, prompts, args.tokens, draft, ref, c.alpha, vocab, scheds[c.name],
                                            c.every, forward))
+            runs[c.name][-1].differ = divergences(target, prompts, ref, runs[c.name][-1].tokens)
             scheds[c.name].flush_log()
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
             + f" [stalls {v[-1].stalls}]" + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
+            + (f" [{said_divergences(v[-1], n)}]" if k not in ("bg", "plain") else "")
             for k, v in runs.items()) + f"; {_memory()}")
     return runs
 
@@ -324,6 +349,7 @@ def _figures(runs: dict[str, list[Run]], roof: float) -> dict:
         if any(r.drafted for r in rs) or name not in ("bg", "plain"):
             c["drafted"] = " ".join(f"{r.drafted}/{r.accepted}" for r in rs)
             c["acceptance"] = sum(r.accepted for r in rs) / max(1, sum(r.drafted for r in rs))
+            c["differ_from_plain"] = [r.differ for r in rs]
         out["configs"][name] = c
     out["plain_vs_roofline"] = out["configs"]["plain"]["tokens_per_s"] / roof
     out["rows_equal_bg"] = sum(a == b for a, b in zip(runs["plain"][0].tokens, runs["bg"][0].tokens))
@@ -359,7 +385,10 @@ def _footer(fig: dict) -> str:
             f"({fig['weight_bytes_per_step'] / 2**20:.0f} MiB a step); α by the draft's intent; joint "
             f"schedulers cold at the first timed repeat; goals: {fig['goals']}; plain ÷ roofline: "
             + ", ".join(f"N={n} {f['plain_vs_roofline']:.0%}" for n, f in fig["ns"].items())
-            + "; '= BG rows': " + ", ".join(f"N={n} {f['rows_equal_bg']}" for n, f in fig["ns"].items()))
+            + "; '= BG rows': " + ", ".join(f"N={n} {f['rows_equal_bg']}" for n, f in fig["ns"].items())
+            + "; joint rows ≠ plain (all repeats): " + ", ".join(
+                f"N={n} {sum(len(d) for c in f['configs'].values() for d in c.get('differ_from_plain', []))}"
+                for n, f in fig["ns"].items()))
 
 
 def add_command(benches) -> None:

@@ -1,5 +1,5 @@
 """bench/slab_writes.py: the three ways of writing attention slabs side by side; on the CPU every
-way is MLX's scatter, and each repeat's joint runs must equal plain's tokens."""
+way is MLX's scatter, and each repeat's joint rows equal plain's tokens."""
 
 from bench import slab_writes
 from worker.kernels import kv_write
@@ -11,6 +11,7 @@ def test_each_way_prints_a_repeat_line_with_its_ratios_and_the_served_way_is_res
     assert [l.split()[2].rstrip(":") for l in lines] == list(slab_writes.MODES)
     for line in lines:
         assert "plain " in line and " = " in line and line.count("(stalls ") == 3, line
+        assert line.count("= plain 2/2)") == 2, line  # adaptive and 2 deep: every row is plain's
     assert kv_write.mode() == "wide"
 
 
@@ -45,3 +46,24 @@ def test_a_settling_batch_waits_for_the_device_before_it_encodes_each_round(monk
     joint = g.verity_run(target, prompts, 6, draft, ref, 0.8, vocab, Scheduler(fixed=2), 1,
                          fast_draft.where_it_runs(draft))
     assert joint.tokens == ref and len(waits) >= joint.drafted // 4 > 0
+
+
+def test_a_row_that_differs_from_plain_is_named_with_its_position_and_the_targets_gap_there():
+    import mlx.core as mx
+
+    from bench import gpu_batch as g
+    from bench import gpu_models as gb
+
+    cfg = dict(gb.TARGET_9B, **gb.SMALL)
+    target = gb.build(cfg, mx.float32, 0)
+    prompts = g._prompts(3, 8, cfg["vocab_size"])
+    ref = g.verity_run(target, prompts, 6).tokens
+    got = [list(t) for t in ref]
+    got[1][4] = (got[1][4] + 1) % cfg["vocab_size"]
+    assert g.divergences(target, prompts, ref, ref) == []
+    [(row, at, gap, top)] = g.divergences(target, prompts, ref, got)
+    assert (row, at) == (1, 4) and gap >= 0
+    logits = target(mx.array([prompts[1] + ref[1][:4]]))[0, -1]
+    assert int(mx.argmax(logits)) == ref[1][4] and abs(top - logits.max().item()) < 0.01
+    run = g.Run(got, 0, 1.0, differ=g.divergences(target, prompts, ref, got))
+    assert g.said_divergences(run, 3) == f"= plain 2/3 [row 1 at 4: gap {gap} of {top}]"
