@@ -8,7 +8,8 @@ scheduler a way, kept across repeats) and every row joint 2 deep, α = 0.8 by co
 prints tokens/s, the ratios to plain, drafted/accepted and the stalls as gpu-batch counts them
 (rounds over 5x the run's median round), and the joint rows equal to plain's tokens, with the
 target's top-two logit gap where one differs (a near-tie flipped by a wide forward's rounding, or
-a fault: compare the ways). On the CPU every way is the scatter.
+a fault: compare the ways); plain's rows against the first plain run's (the same shapes: any
+difference is a fault). On the CPU every way is the scatter.
 
     python -m bench.slab_writes --n 8 --repeats 3      # the 9B/0.8B shapes
     python -m bench.slab_writes --small --n 4 --repeats 1
@@ -65,10 +66,11 @@ def main(argv=None) -> int:
         for mode in MODES:
             kv_write.set_mode(mode)
             plain, (ad, fx) = runs(scheds[mode])
-            for r in (ad, fx):
+            for r in (plain, ad, fx):  # plain's shapes are the first plain's: a difference is a fault
                 r.differ = g.divergences(target, prompts, ref, r.tokens)
             pt = plain.tokens_per_s
-            print(f"repeat {rep} {mode:5s}: plain {pt:.1f} tok/s (stalls {plain.stalls}) | adaptive "
+            print(f"repeat {rep} {mode:5s}: plain {pt:.1f} tok/s (stalls {plain.stalls}, "
+                  f"{g.said_divergences(plain, a.n, 'first plain')}) | adaptive "
                   f"{ad.tokens_per_s:.1f} = {ad.tokens_per_s / pt:.2f}, {ad.drafted}/{ad.accepted} (stalls {ad.stalls}, "
                   f"{g.said_divergences(ad, a.n)}) | 2 deep {fx.tokens_per_s:.1f} = {fx.tokens_per_s / pt:.2f} "
                   f"(stalls {fx.stalls}, {g.said_divergences(fx, a.n)})", flush=True)

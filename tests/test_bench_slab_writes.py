@@ -12,6 +12,7 @@ def test_each_way_prints_a_repeat_line_with_its_ratios_and_the_served_way_is_res
     for line in lines:
         assert "plain " in line and " = " in line and line.count("(stalls ") == 3, line
         assert line.count("= plain 2/2)") == 2, line  # adaptive and 2 deep: every row is plain's
+        assert "= first plain 2/2)" in line, line
     assert kv_write.mode() == "wide"
 
 
