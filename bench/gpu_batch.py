@@ -25,7 +25,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from bench import common as bench
 
@@ -44,7 +44,7 @@ class Run:
     rounds: list = field(default_factory=list)  # each timed round's seconds
     shapes: list = field(default_factory=list)  # each timed round's (rows, widest draft, drafted tokens)
     one_launch: str = ""  # the draft's one-launch step after the run: on, timed out (its flag set), off
-    differ: list = field(default_factory=list)  # joint runs: `divergences` from plain's tokens
+    differ: list = field(default_factory=list)  # its `divergences` from plain's tokens
 
     @property
     def stalls(self) -> str:
@@ -142,25 +142,32 @@ def verity_run(target, prompts: list[list[int]], n_tokens: int, draft=None, refe
                _one_launch(draft_forward))
 
 
-def divergences(target, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]) -> list[tuple]:
-    """Rows whose tokens differ from plain's: (row, first differing position, the target's top-two
-    logit gap there and its top logit, float32, from one forward over the prompt and plain's tokens
-    before it). A wide forward rounds otherwise than one-token ones, so with random bf16 weights
-    near-ties flip (docs/design.md, "Exactness"); a gap far above bf16's rounding points at a fault."""
-    import mlx.core as mx
+class Divergence(NamedTuple):
+    """A row whose tokens differ from plain's: the first differing position and the target's
+    top-two logit gap there (a JSON list in the figures)."""
+
+    row: int
+    at: int
+    gap: float
+
+
+def divergences(target, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]) -> list[Divergence]:
+    """Rows of `got` that differ from plain's `ref`. A wide forward rounds otherwise than one-token
+    ones, so with random bf16 weights near-ties flip (docs/design.md, "Exactness"); a gap far above
+    bf16's rounding points at a fault."""
+    from bench.joint_rows import first_divergence, top2_gap
 
     out = []
     for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            top = mx.sort(target(mx.array([p + a[:at]]))[0, -1].astype(mx.float32))[-2:].tolist()
-            out.append((i, at, round(top[1] - top[0], 4), round(top[1], 2)))
+        at = first_divergence(b, a)
+        if at is not None:
+            out.append(Divergence(i, at, round(top2_gap(target, p + a[:at]), 4)))
     return out
 
 
 def said_divergences(run: Run, rows: int, of: str = "plain") -> str:
-    """`= plain 7/8 [row 3 at 37: gap 0.0156 of 4.2]`: rows equal to the reference's, and where not."""
-    each = "; ".join(f"row {i} at {at}: gap {gap} of {top}" for i, at, gap, top in run.differ)
+    """`= plain 7/8 [row 3 at 37: gap 0.0156]`: rows equal to the reference's, and where not."""
+    each = "; ".join(f"row {d.row} at {d.at}: gap {d.gap}" for d in run.differ)
     return f"= {of} {rows - len(run.differ)}/{rows}" + (f" [{each}]" if each else "")
 
 

@@ -287,6 +287,13 @@ def top2_gap(model, tokens: list[int]) -> float:
     return top[1] - top[0]
 
 
+def first_divergence(out: list[int], ref: list[int]) -> Optional[int]:
+    """The first position where out and ref differ (one ending first: its length); None if equal."""
+    if out == ref:
+        return None
+    return next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+
+
 def check_exact(g: Group, row: Row, out: list[int]) -> None:
     ref = g.reference[: g.tokens]
     mismatches = sum(a != b for a, b in zip(out, ref)) + abs(len(out) - len(ref))
@@ -294,7 +301,7 @@ def check_exact(g: Group, row: Row, out: list[int]) -> None:
     e["mismatches"] = max(e.get("mismatches", 0), mismatches)
     e["runs_checked"] = e.get("runs_checked", 0) + 1
     if mismatches and "first_divergence" not in e:
-        i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        i = first_divergence(out, ref)
         e["first_divergence"] = i
         e["top2_gap"] = top2_gap(g.target.model, g.prompt + ref[:i])
         e["near_tie"] = e["top2_gap"] < NEAR_TIE

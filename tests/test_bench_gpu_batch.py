@@ -60,10 +60,11 @@ def test_a_repeat_line_adds_the_gpu_used_memory_where_nvidia_smi_answers(tmp_pat
 
 
 def test_the_footer_counts_rows_that_differ_from_plain_apart_for_plain_and_joint():
-    differ = [[(3, 37, 0.0156, 4.2)], []]
-    f = {"configs": {"bg": {}, "plain": {"differ": [[], [(0, 5, 0.5, 3.0)]]}, "adaptive α=0.8": {"differ": differ},
-                     "mixed α=0.8": {"differ": [[(1, 2, 0.01, 2.0), (4, 9, 0.02, 2.5)]]}}}
+    d = gb.Divergence
+    differ = [[d(3, 37, 0.0156)], []]
+    f = {"configs": {"bg": {}, "plain": {"differ": [[], [d(0, 5, 0.5)]]}, "adaptive α=0.8": {"differ": differ},
+                     "mixed α=0.8": {"differ": [[d(1, 2, 0.01), d(4, 9, 0.02)]]}}}
     assert (gb._differing(f, True), gb._differing(f, False)) == (1, 3)
     run = gb.Run([[1]], 1, 1.0, differ=differ[0])
-    assert gb.said_divergences(run, 8) == "= plain 7/8 [row 3 at 37: gap 0.0156 of 4.2]"
+    assert gb.said_divergences(run, 8) == "= plain 7/8 [row 3 at 37: gap 0.0156]"
     assert gb.said_divergences(gb.Run([[1]], 1, 1.0), 8, "first plain") == "= first plain 8/8"
