@@ -155,7 +155,7 @@ def divergences(target, prompts: list[list[int]], ref: list[list[int]], got: lis
     """Rows of `got` that differ from plain's `ref`. A wide forward rounds otherwise than one-token
     ones, so with random bf16 weights near-ties flip (docs/design.md, "Exactness"); a gap far above
     bf16's rounding points at a fault."""
-    from bench.joint_rows import first_divergence, top2_gap
+    from bench.divergence import first_divergence, top2_gap
 
     out = []
     for i, (p, a, b) in enumerate(zip(prompts, ref, got)):

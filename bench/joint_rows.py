@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from bench.divergence import first_divergence, top2_gap
 from bench.engine_runs import Run
 
 RECOVERIES = ("fast", "replay")
@@ -278,20 +279,6 @@ def _mlx_refusal(model, draft, prompt) -> Optional[str]:
 
 
 # ---- exactness ----
-
-
-def top2_gap(model, tokens: list[int]) -> float:
-    import mlx.core as mx
-
-    top = mx.sort(model(mx.array(tokens)[None])[0, -1])[-2:].tolist()
-    return top[1] - top[0]
-
-
-def first_divergence(out: list[int], ref: list[int]) -> Optional[int]:
-    """The first position where out and ref differ (one ending first: its length); None if equal."""
-    if out == ref:
-        return None
-    return next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
 
 
 def check_exact(g: Group, row: Row, out: list[int]) -> None:
