@@ -68,3 +68,19 @@ def test_the_footer_counts_rows_that_differ_from_plain_apart_for_plain_and_joint
     run = gb.Run([[1]], 1, 1.0, differ=differ[0])
     assert gb.said_divergences(run, 8) == "= plain 7/8 [row 3 at 37: gap 0.0156]"
     assert gb.said_divergences(gb.Run([[1]], 1, 1.0), 8, "first plain") == "= first plain 8/8"
+
+
+def test_goals_follow_both_issues_and_give_a_lower_alpha_its_own_goal():
+    def cfg(ratio, pairs, key="vs_plain"):
+        return {key: ratio, "pairs": pairs}
+
+    fig = {"alphas": [0.6], "ns": {
+        "32": {"plain_vs_roofline": 0.55, "configs": {"plain": cfg(1.2, [1.1, 1.31], "vs_bg"),
+                                                      "adaptive α=0.6": cfg(0.98, [0.98])}},
+        "64": {"plain_vs_roofline": 0.55, "configs": {"plain": cfg(1.2, [1.2], "vs_bg"),
+                                                      "adaptive α=0.8": cfg(0.98, [0.98])}}}}
+    assert gb._goals(fig) == {
+        "N=32 plain ÷ BG ≥ 1.3": "tie", "N=32 adaptive α=0.6 ÷ plain ≥ 0.97": "met",
+        "N=32 plain at ≥ 50% of the roofline": "met",
+        "N=64 plain ÷ BG ≥ 1.3": "missed", "N=64 adaptive α=0.8 ÷ plain ≥ 0.97": "met",
+        "N=64 plain at ≥ 60% of the roofline": "missed"}
