@@ -246,11 +246,18 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
         forward = fast_draft.narrow_forward(draft, persistent=False, widest=1)
 
     prompts = _prompts(n, args.prompt_tokens, vocab)
+    took = [time.perf_counter()]
     batch_generator(target, prompts, 4)
+    took.append(time.perf_counter())
     BatchRunner(target, draft, 2048, draft_forward=forward).warm(prompts[0], 9)  # as the engine's warm-up
+    took.append(time.perf_counter())
     ref = verity_run(target, prompts, args.tokens).tokens
+    took.append(time.perf_counter())
     configs = _configs(args, n)
     verity_run(target, prompts, args.tokens, draft, ref, args.alphas[0], vocab, Scheduler(), 1, forward)  # scheduler dropped
+    took.append(time.perf_counter())
+    bench.progress(f"N={n} warm-up (kernels compile on a fresh GPU): " + ", ".join(
+        f"{what} {b - a:.1f} s" for what, a, b in zip(("BG", "runner", "plain", "joint"), took, took[1:])))
     runs: dict[str, list[Run]] = {"bg": [], "plain": [], **{c.name: [] for c in configs}}
     scheds = {c.name: _scheduler(args, n, c) for c in configs}  # cold at the first timed repeat
     for rep in range(args.repeats):
