@@ -69,3 +69,23 @@ def test_a_row_that_differs_from_plain_is_named_with_its_position_and_the_target
     assert int(mx.argmax(logits)) == ref[1][4] and abs(gap - (top[-1] - top[-2]).item()) < 1e-3
     run = g.Run(got, 0, 1.0, differ=g.divergences(target, prompts, ref, got))
     assert g.said_divergences(run, 3) == f"= plain 2/3 [row 1 at 4: gap {gap}]"
+
+
+def test_the_gpu_benches_run_without_the_service_stacks_packages():
+    """The GPU machine carries MLX, mlx-lm and a few wheels, not the service's packages: the GPU
+    benches run whole with those unimportable (a lazy import through worker.engine once stopped
+    them there)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    blocked = ("llguidance", "aiohttp", "httpx", "openai")
+    code = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+            "from bench import slab_writes\n"
+            "sys.exit(slab_writes.main(['--small', '--n', '2', '--repeats', '1', '--tokens', '8']))")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "repeat 0 wide" in done.stdout
