@@ -198,7 +198,7 @@ def slab_write_check(dtype=mx.bfloat16) -> dict:
     held = mx.get_active_memory()
     slab.write(Span(1, 4, lengths, (3, 3, 3)), offsets, k, v)
     mx.eval(slab.parts())
-    took = mx.get_peak_memory() - held
+    took = max(0, mx.get_peak_memory() - held)  # a reset peak reads below what is held when nothing new was taken
     rows, pos = mx.arange(1, 4)[:, None], offsets[:, None] + mx.arange(3)[None]
     want_k, want_v = base + 0, base + 1
     want_k[rows, :, pos] = k.transpose(0, 2, 1, 3)
