@@ -6,86 +6,30 @@ import asyncio
 import hmac
 import json
 import logging
-import time
 import uuid
-from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
 from aiohttp import web
 
 from gateway import choices as many
-from gateway.guard import Guard, Refused, cors_headers
-from gateway.link import QueueFull, Tracked, WorkerLink
+from gateway.guard import Refused, cors_headers
+from gateway.link import QueueFull, Tracked
+from gateway.messages_api import routes as messages_routes
 from gateway.openai_format import Shaper, error_body
 from gateway.openapi import describe
+from gateway.relay import (GATEWAY, WRITE_GRACE_S, Gateway, cut, end_at_time_limit, first_event, json_error, next_event,
+                           refuse, served_names, time_limit_message, time_limit_reached)
+from gateway.responses_api import routes as responses_routes
 from gateway.small import AUTH_PATHS, SmallEndpoints
-from gateway.sse import STALL_BYTES, ClientStalled, SseWriter
+from gateway.sse import ClientStalled, SseWriter
 from gateway.surfaces import Surfaces
 from protocol import messages as m
 from protocol.schema import RequestInvalid, parse_request, resolve_max_tokens, top_logprobs
-from protocol.tool_rules import needs_grammar, tools_offered
+from protocol.tool_rules import tools_offered
 
 log = logging.getLogger("verity.gateway")
-FIRST_EVENT_TIMEOUT_S = 2.0  # wait this long for the worker's verdict before streaming headers
-# a request with a grammar the worker has not compiled gets its verdict once compiled (worker/grammar.py
-# LIMITS bound that work; a pool may hold a few ahead of it): its 400 comes before any header
-GRAMMAR_VERDICT_S = 30.0
-RETRY_AFTER_S = 1
-WRITE_GRACE_S = 1.0  # after the time limit, how long the error event may take to reach the client
-STALLED_WRITE_BYTES = 1 << 16  # unsent bytes queued past this (asyncio's pause mark): the client reads nothing
 CORS_ORIGIN = "verity.cors_origin"
-
-
-@dataclass
-class GatewayConfig:
-    runtime_dir: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_active: Optional[int] = None  # None: the worker's (its READY says)
-    queue_size: int = 16
-    api_key: Optional[str] = None
-    max_tokens_cap: int = 2048
-    max_body_bytes: int = 1 << 20
-    keepalive_s: float = 5.0
-    stall_s: float = 10.0  # a stream whose client reads nothing this long is cut (gateway/sse.py)
-    stall_bytes: int = STALL_BYTES  # or that leaves this many bytes unread
-    drain_timeout_s: float = 30.0
-    request_timeout_s: Optional[float] = 600.0  # admission to the last byte; None or 0: no limit
-    allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the loopback ones
-    allow_origins: tuple[str, ...] = ()  # browser origins other than the server's own ("*": any)
-    log_prompts: bool = False  # prompt text goes to the log only when asked for
-    served_names: tuple[str, ...] = ()  # --served-model-name: aliases a request's `model` may use
-    heartbeat_timeout_s: float = 10.0  # a worker silent this long makes /health 503
-    responses_max_count: int = 1000  # stored /v1/responses kept (gateway/response_store.py)
-    responses_max_bytes: int = 256 << 20
-
-
-class Gateway:
-    def __init__(self, config: GatewayConfig):
-        self.config = config
-        self.link = WorkerLink(config.runtime_dir, config.max_active, config.queue_size)
-        self.draining = False
-        self.started_at = time.time()
-        self.guard = Guard(config.host, config.port, config.allow_hosts, config.allow_origins)
-        self.link.on_end.append(_log_end)
-
-
-def _log_end(t: Tracked, event) -> None:
-    """One line per admitted request's end, with its id (the worker's lines carry the same id)."""
-    took = time.monotonic() - t.admitted_at
-    if isinstance(event, m.Finished):
-        log.info("[%s] finished: %s, %d tokens, %.2fs", t.id, event.finish_reason,
-                 event.metrics.completion_tokens, took)
-    else:
-        log.info("[%s] ended with an error: %s, %.2fs", t.id, getattr(event, "code", "?"), took)
-
-
-GATEWAY = web.AppKey("gateway", Gateway)
-
-
-def json_error(status: int, message: str, code: str, param: Optional[str] = None, headers=None) -> web.Response:
-    return web.json_response(error_body(status, message, code, param), status=status, headers=headers)
 
 
 @web.middleware
@@ -149,47 +93,36 @@ async def log_refusals(request: web.Request, handler):
     return resp
 
 
-def _refuse(rid: str, status: int, message: str, code: str, param: Optional[str] = None,
-            retry: bool = False) -> web.Response:
-    headers = {"X-Request-Id": rid, **({"Retry-After": str(RETRY_AFTER_S)} if retry else {})}
-    return json_error(status, message, code, param, headers=headers)
-
-
-def served_names(gw: Gateway) -> tuple[str, ...]:
-    """The model's id and its --served-model-name aliases (a request may name any)."""
-    return (gw.link.worker.model_id, *gw.config.served_names) if gw.link.worker else ()
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     chat = request.path.endswith("/chat/completions")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if gw.draining:
-        return _refuse(rid, 503, "the server is shutting down", "shutting_down")
+        return refuse(rid, 503, "the server is shutting down", "shutting_down")
     try:
         req = parse_request(await request.read(), "chat" if chat else "completion")
         resolve_max_tokens(req, gw.config.max_tokens_cap, gw.link.worker.defaults.max_tokens if gw.link.worker else None)
         choices = many.expand(req, chat)
     except RequestInvalid as e:
-        return _refuse(rid, 400, e.message, e.code, e.param)
+        return refuse(rid, 400, e.message, e.code, e.param)
     if not gw.link.ready:
-        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True)
+        return refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True)
     names = served_names(gw)
     if req.model is not None and req.model not in names:
-        return _refuse(rid, 404, f"model `{req.model}` does not exist; this server serves {', '.join(f'`{n}`' for n in names)}",
+        return refuse(rid, 404, f"model `{req.model}` does not exist; this server serves {', '.join(f'`{n}`' for n in names)}",
                        "model_not_found", "model")
     served = req.model or names[0]  # the name the client sent, as OpenAI clients expect
     if gw.config.log_prompts:  # asked for with --log-prompts; JSON keeps it on one line
         log.info("[%s] prompt: %s", rid, msgspec.json.encode(req.messages if chat else req.prompt).decode())
     if len(choices) > gw.link.capacity:
-        return _refuse(rid, 400, f"{len(choices)} choices (prompts × n) are more than this server admits at once "
+        return refuse(rid, 400, f"{len(choices)} choices (prompts × n) are more than this server admits at once "
                        f"({gw.link.capacity}: --max-active + --queue-size)", "too_many_choices", "n")
     if len(choices) > 1:
         return await _choices(request, gw, rid, req, choices, chat, served)
     try:
         t = gw.link.admit(rid, choices[0].request)
     except QueueFull:
-        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
+        return refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (%s, stream=%s)", rid, req.mode, req.stream)
     shaper = Shaper(rid, served, chat, tool_calls=chat and tools_offered(req),
                     logprobs=top_logprobs(req) is not None, thinks=bool(gw.link.worker and gw.link.worker.thinks))
@@ -198,45 +131,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         try:
             async with asyncio.timeout_at(deadline):
-                first = await _first_event(t, req)
+                first = await first_event(t, req)
                 if isinstance(first, m.Error):
-                    return _refuse(rid, first.status, first.message, first.code, first.param)
+                    return refuse(rid, first.status, first.message, first.code, first.param)
                 if not req.stream:
                     return await _whole(t, shaper, first)
         except TimeoutError:
-            _time_limit_reached(gw, t)
-            return json_error(504, _time_limit_message(limit), "request_timeout")
+            time_limit_reached(gw, t)
+            return json_error(504, time_limit_message(limit), "request_timeout")
         return await _stream(request, gw, t, shaper, first, deadline)
     except (asyncio.CancelledError, ConnectionResetError):
         log.info("[%s] client went away: cancelling", rid)
         gw.link.cancel(rid)
         raise
-
-
-def _time_limit_message(limit: float) -> str:
-    return f"the request did not end within this server's time limit of {limit:g} s (--request-timeout-s)"
-
-
-def _time_limit_reached(gw: Gateway, t: Tracked) -> None:
-    log.warning("[%s] reached the time limit of %gs: cancelling", t.id, gw.config.request_timeout_s)
-    message = _time_limit_message(gw.config.request_timeout_s)  # its slot is freed now, not when the worker confirms
-    gw.link.cancel(t.id, reason=message, release=m.Error(t.id, "request_timeout", message, 504))
-
-
-async def _next_event(t: Tracked, within_s: float):
-    """The request's next event, or None after within_s. asyncio.timeout, not wait_for: under an
-    outer time limit, Python 3.11's wait_for can swallow that limit's cancellation when the event
-    arrives at the same moment, and a stream then ran to its end (2,000 tokens) past the limit."""
-    try:
-        async with asyncio.timeout(within_s):
-            return await t.events.get()
-    except TimeoutError:
-        return None
-
-
-async def _first_event(t: Tracked, req: m.GenerateRequest):
-    """The worker's verdict (Queued or an Error), or None when it is slow to come."""
-    return await _next_event(t, GRAMMAR_VERDICT_S if needs_grammar(req) else FIRST_EVENT_TIMEOUT_S)
 
 
 async def _whole(t: Tracked, shaper: Shaper, first) -> web.Response:
@@ -274,7 +181,7 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
             ev = first
             while True:
                 if ev is None:
-                    ev = await _next_event(t, gw.config.keepalive_s)
+                    ev = await next_event(t, gw.config.keepalive_s)
                     if ev is None:
                         await out.keepalive()
                         continue
@@ -291,34 +198,14 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Shaper,
             await out.done()
             return resp
     except ClientStalled as e:
-        _cut(gw, t.id, [] if ended else [t], out, e)
+        cut(gw, t.id, [] if ended else [t], out, e)
         return resp
     except TimeoutError:
         pass
-    error = error_body(504, _time_limit_message(gw.config.request_timeout_s), "request_timeout")
+    error = error_body(504, time_limit_message(gw.config.request_timeout_s), "request_timeout")
     tail = b"" if ended else b"data: " + json.dumps(error).encode() + b"\n\n"
     await end_at_time_limit(request, gw, t, out, ended, tail + b"data: [DONE]\n\n")
     return resp
-
-
-async def end_at_time_limit(request: web.Request, gw: Gateway, t: Tracked, out: SseWriter, ended: bool,
-                            tail: bytes) -> None:
-    """A stream past the time limit: its request cancelled (unless `ended`), then `tail` (the error
-    event, the end marker) written within WRITE_GRACE_S, or else the connection dropped."""
-    if not ended:
-        _time_limit_reached(gw, t)
-    transport = request.transport
-    if transport is not None and transport.get_write_buffer_size() < STALLED_WRITE_BYTES:
-        try:
-            async with asyncio.timeout(WRITE_GRACE_S):
-                await out.resp.write(tail)
-                await out.resp.write_eof()
-                return
-        except TimeoutError:
-            pass
-    # the client reads nothing (its unread bytes fill the buffers): drop its connection
-    log.warning("[%s] the client does not read its stream: closing the connection", t.id)
-    out.drop()
 
 
 def _last_events(shaper: Shaper, ev, include_usage: bool) -> list[dict]:
@@ -328,24 +215,13 @@ def _last_events(shaper: Shaper, ev, include_usage: bool) -> list[dict]:
     return [shaper.chunk(finished=ev)] + ([shaper.usage_chunk(ev)] if include_usage else [])
 
 
-def _cut(gw: Gateway, rid: str, running: list[Tracked], out: SseWriter, why: ClientStalled) -> None:
-    """A client that stopped reading: its requests end now (their slots and rows freed) and its
-    connection is dropped."""
-    log.warning("[%s] the client stopped reading its stream (%s): cancelling %d request(s), closing the connection",
-                rid, why, len(running))
-    message = f"the client stopped reading its stream: {why}"
-    for t in running:
-        gw.link.cancel(t.id, reason=message, release=m.Error(t.id, "client_stalled", message, 408))
-    out.drop()
-
-
 async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateRequest,
                    choices: list[many.Choice], chat: bool, served: str) -> web.StreamResponse:
     """Several choices (n > 1, or several prompts): each a row of the worker's batch, merged here."""
     try:
         tracked = many.admit_all(gw.link, rid, choices)
     except QueueFull:
-        return _refuse(rid, 429, f"{len(choices)} choices do not fit in the queue now; retry later", "queue_full", retry=True)
+        return refuse(rid, 429, f"{len(choices)} choices do not fit in the queue now; retry later", "queue_full", retry=True)
     log.info("[%s] admitted %d choices (%s, stream=%s)", rid, len(choices), req.mode, req.stream)
     rows = many.make_rows(rid, served, chat, choices, tracked, chat and tools_offered(req),
                           bool(gw.link.worker and gw.link.worker.thinks))
@@ -362,12 +238,12 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
     resp = out = None
     try:
         async with asyncio.timeout_at(deadline):
-            firsts = [None if t.held else await _first_event(t, req) for t in tracked]
+            firsts = [None if t.held else await first_event(t, req) for t in tracked]
             refused = next((e for e in firsts if isinstance(e, m.Error)), None)
             if refused is not None:
                 cancel()
                 await many.Merged(rows, firsts).drain()
-                return _refuse(rid, refused.status, refused.message, refused.code, refused.param)
+                return refuse(rid, refused.status, refused.message, refused.code, refused.param)
             if not req.stream:
                 return await many.whole(rows, firsts, cancel, ended)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -378,15 +254,15 @@ async def _choices(request: web.Request, gw: Gateway, rid: str, req: m.GenerateR
             await many.stream(out, rows, firsts, usage, cancel, ended, gw.config.keepalive_s)
             return resp
     except ClientStalled as e:
-        _cut(gw, rid, [t for t in tracked if t.id in gw.link.requests], out, e)
+        cut(gw, rid, [t for t in tracked if t.id in gw.link.requests], out, e)
         return resp
     except TimeoutError:
         for t in tracked:
-            _time_limit_reached(gw, t)
+            time_limit_reached(gw, t)
         if resp is None:
-            return _refuse(rid, 504, _time_limit_message(limit), "request_timeout")
+            return refuse(rid, 504, time_limit_message(limit), "request_timeout")
         async with asyncio.timeout(WRITE_GRACE_S):
-            await _sse(resp, error_body(504, _time_limit_message(limit), "request_timeout"))
+            await _sse(resp, error_body(504, time_limit_message(limit), "request_timeout"))
             await resp.write(b"data: [DONE]\n\n")
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
@@ -464,8 +340,6 @@ def make_app(gw: Gateway) -> web.Application:
     surfaces.aliases = gw.config.served_names
     surfaces.register(app)
     SmallEndpoints(gw.link, lambda: served_names(gw)).register(app)
-    from gateway import messages_api, responses_api  # they import this module: added once it is whole
-
-    messages_api.routes(app)
-    responses_api.routes(app)
+    messages_routes(app)
+    responses_routes(app)
     return app

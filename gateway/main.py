@@ -14,7 +14,8 @@ import time
 
 import zmq
 
-from gateway.app import Gateway, GatewayConfig, make_app
+from gateway.app import make_app
+from gateway.relay import Gateway, GatewayConfig
 from gateway.connections import (AcceptErrors, ConnectionBook, ConnectionLimits, GuardedSite, descriptor_cap,
                                  middlewares)
 from gateway.guard import exposure_warning

@@ -19,7 +19,7 @@ from typing import Optional
 from aiohttp import web
 
 from gateway.anthropic_format import MessageShaper, error_object, sse
-from gateway.app import (GATEWAY, Gateway, _cut, _next_event, _refuse, _time_limit_message, _time_limit_reached,
+from gateway.relay import (GATEWAY, Gateway, cut, next_event, refuse, time_limit_message, time_limit_reached,
                          end_at_time_limit, served_names)
 from gateway.link import QueueFull, Tracked
 from gateway.small import CALL_TIMEOUT_S
@@ -72,18 +72,18 @@ async def _checked(request: web.Request, rid: str, parse, max_tokens):
     """Parses and checks a request: (refusal, None) or (None, (its body, the internal request))."""
     gw: Gateway = request.app[GATEWAY]
     if gw.draining:
-        return _refuse(rid, 503, "the server is shutting down", "shutting_down"), None
+        return refuse(rid, 503, "the server is shutting down", "shutting_down"), None
     try:
         body = parse(await request.read())
         req = to_generate(body, max_tokens(body, gw.config.max_tokens_cap))
     except RequestInvalid as e:
-        return _refuse(rid, 400, e.message, e.code, e.param), None
+        return refuse(rid, 400, e.message, e.code, e.param), None
     if not gw.link.ready:
-        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True), None
+        return refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True), None
     names = served_names(gw)
     if body.model not in names:
         served = ", ".join(f"`{n}`" for n in names)
-        return _refuse(rid, 404, f"model `{body.model}` does not exist; this server serves {served} (Claude Code: set "
+        return refuse(rid, 404, f"model `{body.model}` does not exist; this server serves {served} (Claude Code: set "
                        "ANTHROPIC_MODEL, or start the stack with --served-model-name)", "model_not_found", "model"), None
     if gw.config.log_prompts:
         log.info("[%s] prompt: %s", rid, (await request.read()).decode())
@@ -100,7 +100,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         return refused
     got = await gw.link.call(m.TokenizeJob(rid, request=parsed[1]), CALL_TIMEOUT_S)
     if isinstance(got, m.Error):
-        return _refuse(rid, got.status, got.message, got.code, got.param)
+        return refuse(rid, got.status, got.message, got.code, got.param)
     return web.json_response({"input_tokens": len(got.tokens)}, headers={"X-Request-Id": rid})
 
 
@@ -122,7 +122,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         t = gw.link.admit(rid, req)
     except QueueFull:
-        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
+        return refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (messages, %s, stream=%s)", rid, req.mode, req.stream)
     worker = gw.link.worker
     shaper = MessageShaper(t.id, body.model, tools_offered(req), thinks=bool(worker and worker.thinks))
@@ -133,17 +133,17 @@ async def create(request: web.Request) -> web.StreamResponse:
             async with asyncio.timeout_at(deadline):
                 first = await _queued(t)
                 if isinstance(first, m.Error):
-                    return _refuse(t.id, first.status, first.message, first.code, first.param)
+                    return refuse(t.id, first.status, first.message, first.code, first.param)
                 # Queued is a request's first event (worker/proc.py): a Finished first is the worker's
                 # answer to a cancel that came before the job (its client left, or the server drains)
                 if not isinstance(first, m.Queued):
-                    return _refuse(t.id, 503, "the request was cancelled before it started", "cancelled")
+                    return refuse(t.id, 503, "the request was cancelled before it started", "cancelled")
                 shaper.queued(first)
                 if not req.stream:
                     return await _whole(t, shaper, first)
         except TimeoutError:
-            _time_limit_reached(gw, t)
-            return _refuse(t.id, 504, _time_limit_message(limit), "request_timeout")
+            time_limit_reached(gw, t)
+            return refuse(t.id, 504, time_limit_message(limit), "request_timeout")
         return await _stream(request, gw, t, shaper, first, deadline)
     except (asyncio.CancelledError, ConnectionResetError):
         log.info("[%s] client went away: cancelling", t.id)
@@ -160,7 +160,7 @@ async def _whole(t: Tracked, shaper: MessageShaper, first) -> web.Response:
         elif isinstance(ev, m.Finished):
             return web.json_response(shaper.whole("".join(parts), ev), headers={"X-Request-Id": t.id})
         elif isinstance(ev, m.Error):
-            return _refuse(t.id, ev.status, ev.message, ev.code, ev.param)
+            return refuse(t.id, ev.status, ev.message, ev.code, ev.param)
         ev = await t.events.get()
 
 
@@ -170,7 +170,7 @@ def _error_event(status: int, message: str, rid: str, code: Optional[str] = None
 
 async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: MessageShaper, first: m.Queued,
                   deadline: Optional[float]) -> web.StreamResponse:
-    """The event stream (gateway/app.py's rules: a client that stops reading is cut; at the time
+    """The event stream (gateway/relay.py's rules: a client that stops reading is cut; at the time
     limit the request is cancelled and the stream ends with an error event)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-Id": t.id})
@@ -182,7 +182,7 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Message
             for e in shaper.start(first.prompt_tokens):
                 await out.write(sse(e))
             while True:
-                ev = await _next_event(t, gw.config.keepalive_s)
+                ev = await next_event(t, gw.config.keepalive_s)
                 if ev is None:
                     await out.write(sse(("ping", {"type": "ping"})))
                 elif isinstance(ev, m.TextDelta):
@@ -199,8 +199,8 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, shaper: Message
                     break
             await resp.write_eof()
     except ClientStalled as e:
-        _cut(gw, t.id, [] if ended else [t], out, e)
+        cut(gw, t.id, [] if ended else [t], out, e)
     except TimeoutError:
-        late = _error_event(504, _time_limit_message(gw.config.request_timeout_s), t.id, "request_timeout")
+        late = _error_event(504, time_limit_message(gw.config.request_timeout_s), t.id, "request_timeout")
         await end_at_time_limit(request, gw, t, out, ended, b"" if ended else late)
     return resp

@@ -24,10 +24,11 @@ import msgspec
 from msgspec import Struct
 
 from gateway import messages_openapi, small
+from gateway.openapi_refs import REF, error_response
+from gateway.responses_openapi import add_responses
 from protocol import messages as m
 from protocol.schema import MAX_STOP_STRINGS, NULL_ONLY, UNSUPPORTED_FIELDS
 
-REF = "#/components/schemas/{name}"
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -232,11 +233,6 @@ RESPONSE_STRUCTS = (ErrorResponse, ChatCompletion, Completion, ChatCompletionChu
                     ModelList, ModelCard, Health)
 
 
-def _error(description: str) -> dict:
-    return {"description": description,
-            "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
-
-
 def _sse_event(chunk: str) -> dict:
     """One event of a stream: `data: <chunk or error object>`, the last one `data: [DONE]`."""
     payload = {"anyOf": [{"$ref": REF.format(name=chunk)}, {"$ref": REF.format(name="ErrorResponse")}]}
@@ -363,7 +359,6 @@ def describe(cap: int, model: Optional[str], joint: bool, auth: bool, context_li
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     messages_openapi.add(doc, names, joint, auth, REF)  # Anthropic's Messages API
-    from gateway.responses_openapi import add_responses  # it imports this module's helpers
     add_responses(doc, cap, names, joint, limits, security)
     return doc
 
@@ -395,7 +390,7 @@ def _paths(limits: str, security: list, auth: bool) -> dict:
                            "Health", {"403": "refused Host or Origin", "503": "not ready (the body says why)"}, []),
     }
     paths["/v1/models/{model}"]["get"]["parameters"] = [model_param]
-    paths.update(small.openapi_paths(REF, _error, security))
+    paths.update(small.openapi_paths(REF, error_response, security))
     paths["/health"]["get"]["responses"]["503"] = {
         "description": "not serving now", "content": {"application/json": {"schema": {"$ref": REF.format(name="Health")}}}}
     return paths
@@ -417,15 +412,15 @@ def _generate_op(chat: bool, limits: str, security: list) -> dict:
                                                  "description": "the request id, also in the logs"}},
                     "content": {"application/json": {"schema": {"$ref": REF.format(name=whole)}},
                                 "text/event-stream": {"itemSchema": _sse_event(chunk)}}},
-            "400": _error("the request is invalid; `error.param` names the field"),
-            "401": _error("missing or invalid API key"),
-            "403": _error("refused `Host` or `Origin` (DNS-rebinding and cross-site protection)"),
-            "404": _error("`model` names a model this server does not serve"),
-            "413": _error("the body is over the size limit"),
-            "429": {**_error("the admission queue is full; retry after `Retry-After` seconds"),
+            "400": error_response("the request is invalid; `error.param` names the field"),
+            "401": error_response("missing or invalid API key"),
+            "403": error_response("refused `Host` or `Origin` (DNS-rebinding and cross-site protection)"),
+            "404": error_response("`model` names a model this server does not serve"),
+            "413": error_response("the body is over the size limit"),
+            "429": {**error_response("the admission queue is full; retry after `Retry-After` seconds"),
                     "headers": {"Retry-After": {"schema": {"type": "string"}}}},
-            "503": _error("the worker is restarting or the server is shutting down"),
-            "504": _error("the request reached the server's time limit (--request-timeout-s)"),
+            "503": error_response("the worker is restarting or the server is shutting down"),
+            "504": error_response("the request reached the server's time limit (--request-timeout-s)"),
         },
     }}
 
@@ -434,4 +429,4 @@ def _get_op(op: str, summary: str, ref: str, errors: dict, sec: list) -> dict:
     return {"get": {"operationId": op, "summary": summary, "security": sec,
                     "responses": {"200": {"description": summary, "content": {
                         "application/json": {"schema": {"$ref": REF.format(name=ref)}}}},
-                        **{code: _error(text) for code, text in errors.items()}}}}
+                        **{code: error_response(text) for code, text in errors.items()}}}}

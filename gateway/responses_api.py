@@ -21,8 +21,8 @@ from typing import Optional
 import msgspec
 from aiohttp import web
 
-from gateway.app import (GATEWAY, WRITE_GRACE_S, Gateway, _cut, _first_event, _next_event, _refuse,
-                         _time_limit_message, _time_limit_reached, json_error, served_names)
+from gateway.relay import (GATEWAY, WRITE_GRACE_S, Gateway, cut, first_event, next_event, refuse,
+                         time_limit_message, time_limit_reached, json_error, served_names)
 from gateway.link import QueueFull, Tracked
 from gateway.response_store import ResponseStore
 from gateway.responses_builder import ResponseBuilder
@@ -105,18 +105,18 @@ async def create(request: web.Request) -> web.StreamResponse:
     gw, st = request.app[GATEWAY], request.app[STATE]
     rid = "resp_" + uuid.uuid4().hex
     if gw.draining:
-        return _refuse(rid, 503, "the server is shutting down", "shutting_down")
+        return refuse(rid, 503, "the server is shutting down", "shutting_down")
     try:
         req, conv, history = _prepare(gw, st, await request.read())
     except RequestInvalid as e:
-        return _refuse(rid, 400, e.message, e.code, e.param)
+        return refuse(rid, 400, e.message, e.code, e.param)
     except UnknownResponse as e:
-        return _refuse(rid, 404, str(e), "response_not_found", "previous_response_id")
+        return refuse(rid, 404, str(e), "response_not_found", "previous_response_id")
     if not gw.link.ready:
-        return _refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True)
+        return refuse(rid, 503, "the worker is not ready; retry shortly", "worker_unavailable", retry=True)
     names = served_names(gw)
     if req.model is not None and req.model not in names:
-        return _refuse(rid, 404, f"model `{req.model}` does not exist; this server serves "
+        return refuse(rid, 404, f"model `{req.model}` does not exist; this server serves "
                        f"{', '.join(f'`{n}`' for n in names)}", "model_not_found", "model")
     if gw.config.log_prompts:
         log.info("[%s] prompt: %s", rid, msgspec.json.encode(conv.request.messages).decode())
@@ -125,7 +125,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         t = gw.link.admit(rid, conv.request)
     except QueueFull:
-        return _refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
+        return refuse(rid, 429, "too many requests are running or waiting; retry later", "queue_full", retry=True)
     log.info("[%s] admitted (responses, %s, stream=%s, background=%s)", rid, conv.request.mode, bool(req.stream),
              bool(req.background))
     w = gw.link.worker
@@ -145,10 +145,10 @@ async def _serve(request: web.Request, gw: Gateway, st: ResponsesState, t: Track
     deadline = asyncio.get_running_loop().time() + limit if limit else None
     background = False
     try:
-        first = await _first_event(t, b.conv.request)
+        first = await first_event(t, b.conv.request)
         if isinstance(first, m.Error):
             st.store.delete(t.id)
-            return _refuse(t.id, first.status, first.message, first.code, responses_param(first.param, b.conv.tool_positions))
+            return refuse(t.id, first.status, first.message, first.code, responses_param(first.param, b.conv.tool_positions))
         if b.req.background and not b.req.stream:
             b.status = "queued"
             task = asyncio.create_task(_background(gw, st, t, run, first, deadline))
@@ -200,7 +200,7 @@ async def _finish(gw: Gateway, t: Tracked, run: Running, first, deadline: Option
         async with asyncio.timeout_at(deadline):
             while not b.ended:
                 if ev is None:
-                    ev = await (t.events.get() if out is None else _next_event(t, gw.config.keepalive_s))
+                    ev = await (t.events.get() if out is None else next_event(t, gw.config.keepalive_s))
                     if ev is None:
                         await out.keepalive()
                         continue
@@ -209,10 +209,10 @@ async def _finish(gw: Gateway, t: Tracked, run: Running, first, deadline: Option
                     await _send(out, events)
                 ev = None
     except TimeoutError:
-        _time_limit_reached(gw, t)
+        time_limit_reached(gw, t)
         if out is not None:
             raise
-        b.fail("request_timeout", _time_limit_message(gw.config.request_timeout_s), status=504)
+        b.fail("request_timeout", time_limit_message(gw.config.request_timeout_s), status=504)
     if b.error is not None:
         return json_error(b.error_status, b.error.message, b.error.code)
     return web.json_response(b.as_dict(), headers={"X-Request-Id": t.id})
@@ -239,13 +239,13 @@ async def _stream(request: web.Request, gw: Gateway, t: Tracked, run: Running, f
         await resp.write_eof()
         return resp
     except ClientStalled as e:
-        _cut(gw, t.id, [] if b.ended else [t], out, e)
+        cut(gw, t.id, [] if b.ended else [t], out, e)
         return resp
     except TimeoutError:
         pass
     try:
         async with asyncio.timeout(WRITE_GRACE_S):
-            await _send(out, b.fail("request_timeout", _time_limit_message(gw.config.request_timeout_s), status=504)
+            await _send(out, b.fail("request_timeout", time_limit_message(gw.config.request_timeout_s), status=504)
                         if not b.ended else [])
             await resp.write_eof()
     except (TimeoutError, ClientStalled):

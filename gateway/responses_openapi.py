@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Struct
 
 from gateway import responses_format as f
-from gateway.openapi import REF, _error
+from gateway.openapi_refs import REF, error_response
 from protocol import responses as r
 
 ITEMS = (r.MessageItem, r.FunctionCallItem, r.FunctionCallOutputItem, r.ReasoningItem)
@@ -91,23 +91,23 @@ def _create_op(limits: str, security: list) -> dict:
                                                ("DeleteResponse", "deleteResponse"))},
                     "content": {"application/json": {"schema": _ref("ResponseObject")},
                                 "text/event-stream": {"itemSchema": events}}},
-            "400": _error("the request is invalid; `error.param` names the field"),
-            "401": _error("missing or invalid API key"),
-            "403": _error("refused `Host` or `Origin`"),
-            "404": _error("`model` is not served, or `previous_response_id` is unknown or evicted"),
-            "413": _error("the body is over the size limit"),
-            "429": _error("the admission queue is full; retry after `Retry-After` seconds"),
-            "503": _error("the worker is restarting or the server is shutting down"),
-            "504": _error("the request reached the server's time limit"),
+            "400": error_response("the request is invalid; `error.param` names the field"),
+            "401": error_response("missing or invalid API key"),
+            "403": error_response("refused `Host` or `Origin`"),
+            "404": error_response("`model` is not served, or `previous_response_id` is unknown or evicted"),
+            "413": error_response("the body is over the size limit"),
+            "429": error_response("the admission queue is full; retry after `Retry-After` seconds"),
+            "503": error_response("the worker is restarting or the server is shutting down"),
+            "504": error_response("the request reached the server's time limit"),
         }}}
 
 
 def _id_op(method: str, op: str, summary: str, ok: dict, security: list, extra: Optional[dict] = None) -> dict:
     param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {method: {"operationId": op, "summary": summary, "security": security, "parameters": [param],
-                     "responses": {"200": ok, "404": _error("unknown, deleted, not stored or evicted"),
-                                   "403": _error("refused `Host` or `Origin`"),
-                                   **({"401": _error("missing or invalid API key")} if security else {}),
+                     "responses": {"200": ok, "404": error_response("unknown, deleted, not stored or evicted"),
+                                   "403": error_response("refused `Host` or `Origin`"),
+                                   **({"401": error_response("missing or invalid API key")} if security else {}),
                                    **(extra or {})}}}
 
 
@@ -133,4 +133,4 @@ def add_responses(doc: dict, cap: int, names: tuple[str, ...], joint: bool, limi
                  _json("DeletedResponse", "deleted"), security)}
     paths["/v1/responses/{id}/cancel"] = _id_op(
         "post", "cancelResponse", "Cancel a running response", _json("ResponseObject", "the response as cancelled"),
-        security, {"400": _error("the response is not running")})
+        security, {"400": error_response("the response is not running")})

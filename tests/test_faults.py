@@ -22,7 +22,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.app import Gateway, GatewayConfig, make_app
+from gateway.app import make_app
+from gateway.relay import Gateway, GatewayConfig
 from protocol import messages as m
 
 from reliability import alive, launch_stack_has, runtime_dir_of, stack_pids

@@ -12,7 +12,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from gateway.app import Gateway, GatewayConfig, make_app
+from gateway.app import make_app
+from gateway.relay import Gateway, GatewayConfig
 from protocol import messages as m
 from stack import Stack, until
 from test_faults import _stalled_reader
