@@ -60,6 +60,14 @@ class Run:
         return f"{len(slow)}:{sum(r for r, _ in slow):.2f}s ({each})"
 
     @property
+    def pace(self) -> str:
+        """The median plain and drafting round (ms) and their counts: a run slower in every round
+        tells apart from one slowed by a few rounds."""
+        kinds = (("plain", [r for r, s in zip(self.rounds, self.shapes) if not s[2]]),
+                 ("drafting", [r for r, s in zip(self.rounds, self.shapes) if s[2]]))
+        return ", ".join(f"{name} {1e3 * statistics.median(rs):.1f} ms x{len(rs)}" for name, rs in kinds if rs)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.decoded / self.seconds if self.seconds > 0 else 0.0
 
@@ -271,7 +279,7 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
             scheds[c.name].flush_log()
         bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
             f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
-            + f" [stalls {v[-1].stalls}]" + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
+            + f" [stalls {v[-1].stalls}]" + (f" [rounds {v[-1].pace}]" if v[-1].rounds else "") + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
             + (f" [{said_divergences(v[-1], n, 'first plain' if k == 'plain' else 'plain')}]" if k != "bg" else "")
             for k, v in runs.items()) + f"; {_memory()}")
     return runs
@@ -354,7 +362,7 @@ def _figures(runs: dict[str, list[Run]], roof: float) -> dict:
     out: dict = {"roofline_tps": roof, "configs": {}}
     for name, rs in runs.items():
         c = {"tokens_per_s": _whole(rs), "per_repeat": " ".join(f"{r.tokens_per_s:.1f}" for r in rs),
-             "stalls": [r.stalls for r in rs]}
+             "stalls": [r.stalls for r in rs], "pace": [r.pace for r in rs]}
         base = {"bg": None, "plain": "bg"}.get(name, "plain")
         if base:
             pairs = [round(a.tokens_per_s / b.tokens_per_s, 3) for a, b in zip(rs, runs[base])]

@@ -17,6 +17,12 @@ def test_a_stall_is_reported_with_its_rows_depth_and_drafted_tokens():
     assert gb.Run([[1]], 1, 1.0, rounds=[0.01] * 3, shapes=[(1, 0, 0)] * 3).stalls == "0"
 
 
+def test_the_pace_tells_plain_rounds_from_drafting_ones():
+    run = gb.Run([[1]], 1, 1.0, rounds=[0.006, 0.008, 0.007, 0.030], shapes=[(1, 0, 0)] * 3 + [(1, 2, 2)])
+    assert run.pace == "plain 7.0 ms x3, drafting 30.0 ms x1"
+    assert gb.Run([[1]], 1, 1.0, rounds=[0.01], shapes=[(1, 0, 0)]).pace == "plain 10.0 ms x1"
+
+
 def test_fixed_depths_run_beside_adaptive_with_fixed_schedulers_and_ascii_logs(tmp_path):
     args = _args(tmp_path)
     configs = gb._configs(args, 8)
