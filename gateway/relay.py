@@ -27,6 +27,7 @@ RETRY_AFTER_S = 1
 WRITE_GRACE_S = 1.0  # after the time limit, how long the error event may take to reach the client
 STALLED_WRITE_BYTES = 1 << 16  # unsent bytes queued past this (asyncio's pause mark): the client reads nothing
 
+
 @dataclass
 class GatewayConfig:
     runtime_dir: str
@@ -58,10 +59,10 @@ class Gateway:
         self.draining = False
         self.started_at = time.time()
         self.guard = Guard(config.host, config.port, config.allow_hosts, config.allow_origins)
-        self.link.on_end.append(log_end)
+        self.link.on_end.append(_log_end)
 
 
-def log_end(t: Tracked, event) -> None:
+def _log_end(t: Tracked, event) -> None:
     """One line per admitted request's end, with its id (the worker's lines carry the same id)."""
     took = time.monotonic() - t.admitted_at
     if isinstance(event, m.Finished):
