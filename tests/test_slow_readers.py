@@ -69,7 +69,8 @@ async def test_streams_of_several_choices_get_keepalives_and_the_cut(tmp_path, c
         while gw.link.requests and time.monotonic() - t0 < 20:
             for t in rows:
                 t.events.put_nowait(m.TextDelta(t.id, "x" * 1024, [1]))
-            await asyncio.sleep(0.02)  # the fake worker's pace: 100 KiB/s
+            # the fake worker sends again once the gateway has taken what it sent (or the rows are gone)
+            await until(lambda: not gw.link.requests or all(t.events.empty() for t in rows), 20, "deltas taken")
         cut_s = time.monotonic() - t0
         sock.close()
     finally:
