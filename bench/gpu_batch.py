@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from bench import common as bench
+from bench.divergence import first_divergence, top2_gap
 
 NS = (1, 8, 32, 64)
 GOALS = dict(roofline={32: 0.50, 64: 0.60}, vs_batch_generator={1: 1.0, 8: 1.0, 32: 1.3, 64: 1.3},
@@ -163,8 +164,6 @@ def divergences(target, prompts: list[list[int]], ref: list[list[int]], got: lis
     """Rows of `got` that differ from plain's `ref`. A wide forward rounds otherwise than one-token
     ones, so with random bf16 weights near-ties flip (docs/design.md, "Exactness"); a gap far above
     bf16's rounding points at a fault."""
-    from bench.divergence import first_divergence, top2_gap
-
     out = []
     for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
         at = first_divergence(b, a)
@@ -177,6 +176,17 @@ def said_divergences(run: Run, rows: int, of: str = "plain") -> str:
     """`= plain 7/8 [row 3 at 37: gap 0.0156]`: rows equal to the reference's, and where not."""
     each = "; ".join(f"row {d.row} at {d.at}: gap {d.gap}" for d in run.differ)
     return f"= {of} {rows - len(run.differ)}/{rows}" + (f" [{each}]" if each else "")
+
+
+def _said_run(name: str, run: Run, rows: int) -> str:
+    """A configuration's repeat: tokens/s, drafted/accepted, stalls, round pace, the draft's one
+    launch, and its rows against plain's (plain's against the first plain run's)."""
+    out = f"{name} {run.tokens_per_s:.1f}" + (f" ({run.drafted}/{run.accepted})" if run.drafted else "")
+    out += f" [stalls {run.stalls}]" + (f" [rounds {run.pace}]" if run.rounds else "")
+    out += f" [one launch {run.one_launch}]" if run.one_launch else ""
+    if name != "bg":
+        out += f" [{said_divergences(run, rows, 'first plain' if name == 'plain' else 'plain')}]"
+    return out
 
 
 def _one_launch(forward) -> str:
@@ -277,11 +287,8 @@ def _measure(args, target, draft, vocab: int, n: int) -> dict[str, list[Run]]:
                                            c.every, forward))
             runs[c.name][-1].differ = divergences(target, prompts, ref, runs[c.name][-1].tokens)
             scheds[c.name].flush_log()
-        bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(
-            f"{k} {v[-1].tokens_per_s:.1f}" + (f" ({v[-1].drafted}/{v[-1].accepted})" if v[-1].drafted else "")
-            + f" [stalls {v[-1].stalls}]" + (f" [rounds {v[-1].pace}]" if v[-1].rounds else "") + (f" [one launch {v[-1].one_launch}]" if v[-1].one_launch else "")
-            + (f" [{said_divergences(v[-1], n, 'first plain' if k == 'plain' else 'plain')}]" if k != "bg" else "")
-            for k, v in runs.items()) + f"; {_memory()}")
+        bench.progress(f"N={n} repeat {rep + 1}: " + ", ".join(_said_run(k, v[-1], n) for k, v in runs.items())
+                       + f"; {_memory()}")
     return runs
 
 

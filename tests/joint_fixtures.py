@@ -5,11 +5,11 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from bench.divergence import first_divergence, top2_gap as model_top2_gap  # noqa: F401 (tests take first_divergence from here)
 from bench.drafters import Controlled
 from bench.tiny_models import build_tiny_model
 from protocol import messages as m
@@ -141,11 +141,5 @@ def run_engine(eng: Engine, reqs: dict[str, m.GenerateRequest], on_step=None) ->
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 def top2_gap(lm: LoadedModel, prefix: list[int]) -> float:
-    logits = lm.model(mx.array(prefix)[None])[0, -1]
-    top = mx.sort(logits)[-2:].tolist()
-    return top[1] - top[0]
+    return model_top2_gap(lm.model, prefix)
