@@ -15,7 +15,7 @@ from aiohttp import web
 from msgspec import Struct
 
 from gateway.link import WorkerLink
-from gateway.openai_format import error_body
+from gateway.relay import json_error
 from protocol import messages as m
 from protocol.schema import RequestInvalid, check_request, decode_body
 
@@ -67,10 +67,6 @@ _tokenize = msgspec.json.Decoder(TokenizeRequest)
 _detokenize = msgspec.json.Decoder(DetokenizeRequest)
 
 
-def _refuse(status: int, message: str, code: str, param: Optional[str] = None) -> web.Response:
-    return web.json_response(error_body(status, message, code, param), status=status)
-
-
 class SmallEndpoints:
     """The routes, on the gateway's link to the worker; `names`: the model's served names."""
 
@@ -88,7 +84,7 @@ class SmallEndpoints:
             body = decode_body(await request.read(), _tokenize)
             job = _tokenize_job(body)
         except RequestInvalid as e:
-            return _refuse(400, e.message, e.code, e.param)
+            return json_error(400, e.message, e.code, e.param)
         got = await self._ask(job, body.model)
         if not isinstance(got, m.Tokens):
             return got
@@ -99,7 +95,7 @@ class SmallEndpoints:
         try:
             body = decode_body(await request.read(), _detokenize)
         except RequestInvalid as e:
-            return _refuse(400, e.message, e.code, e.param)
+            return json_error(400, e.message, e.code, e.param)
         got = await self._ask(m.TokenizeJob(_job_id(), tokens=body.tokens), body.model)
         if not isinstance(got, m.Tokens):
             return got
@@ -108,12 +104,12 @@ class SmallEndpoints:
     async def _ask(self, job: m.TokenizeJob, model: Optional[str]):
         """The worker's Tokens, or the error response to send."""
         if not self.link.ready:
-            return _refuse(503, "the worker is not ready; retry shortly", "worker_unavailable")
+            return json_error(503, "the worker is not ready; retry shortly", "worker_unavailable")
         if model is not None and model not in self.names():
-            return _refuse(404, f"model `{model}` does not exist", "model_not_found", "model")
+            return json_error(404, f"model `{model}` does not exist", "model_not_found", "model")
         got = await self.link.call(job, CALL_TIMEOUT_S)
         if isinstance(got, m.Error):
-            return _refuse(got.status, got.message, got.code, got.param)
+            return json_error(got.status, got.message, got.code, got.param)
         return got
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -124,7 +120,7 @@ class SmallEndpoints:
         prefix = "chatcmpl-" if chat else "cmpl-"
         ids = [t for t in list(self.link.requests) if rid.startswith(prefix) and (t == rid or t.startswith(rid + "-"))]
         if not ids:
-            return _refuse(404, f"no running {'chat completion' if chat else 'completion'} has the id `{rid}` "
+            return json_error(404, f"no running {'chat completion' if chat else 'completion'} has the id `{rid}` "
                                 "(unknown, or it has ended)", "not_found", "id")
         for t in ids:
             self.link.cancel(t, reason="the request was cancelled by its id")
