@@ -12,6 +12,7 @@ import pytest
 from bench.tiny_models import tiny_model_dir
 from worker.batch.rows import Phase, advance
 from worker.batch.slotbatch import SlotBatch
+from worker.batch.slots import CAUSAL_FROM
 from worker.loader import load_model
 from worker.state import checkpoint as st
 
@@ -67,6 +68,20 @@ def test_rows_of_random_widths_keep_exactly_their_tokens(model, record):
             assert batch.lengths[rid] == len(kept[rid])
             got = st.cache_arrays(batch.row_cache(rid))
             assert _same(got, _sequential(model, kept[rid])), (rnd, rid)
+
+
+@pytest.mark.parametrize("pad", [0, 3, CAUSAL_FROM - 21, CAUSAL_FROM + 5], ids=["exact", "array-mask", "to-causal", "past-causal"])
+def test_a_forward_padded_past_its_widest_row_keeps_the_rows_exact(model, pad):
+    """A forward wider than any of its rows (a catch-up padded to a recurring width) leaves each
+    row's caches as a one-token decode of what it fed: the padding is masked, never attended."""
+    batch, first = SlotBatch(model), list(range(5, 47))
+    batch.add("a")
+    ids = batch.arrange({"a"})
+    batch.commit(batch.forward(ids, mx.array([first], dtype=mx.uint32), [len(first)]), [len(first)])
+    fed = list(range(60, 81))
+    f = batch.forward(ids, mx.array([fed + [0] * pad], dtype=mx.uint32), [len(fed)])
+    batch.commit(f, [len(fed)])
+    assert _same(st.cache_arrays(batch.row_cache("a")), _sequential(model, first + fed))
 
 
 def test_a_row_restored_from_caches_goes_on_as_one_never_taken_out(model):

@@ -187,7 +187,8 @@ class KVView:
         within the window on sliding layers."""
         window = window_size or self.slab.window
         plain = window is None and self.rolling is None
-        if self.span.even and plain and not return_array and (n == 1 or n >= CAUSAL_FROM):
+        # "causal" aligns the queries with the last keys: only where no row is padded past its width
+        if self.span.even and plain and not return_array and n == self.span.width and (n == 1 or n >= CAUSAL_FROM):
             return None if n == 1 else "causal"
         q = self.offset[:, None] + mx.arange(n)[None]  # [B, n]
         k = mx.arange(self.upto)
