@@ -82,13 +82,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--exact-catch-up", action="store_true", help="catch-up forwards at their own width, not padded")
     p.add_argument("--profile-from", type=int, default=-1, help="cProfile the rounds from this one on")
     p.add_argument("--schedule", default="0*6,2*8,4*8,0*4,4*6,8*6,2*4,-1*1,4*4,-1*1,4*4",
                    help="draft length * rounds, comma-separated; -1 * n: n rows leave")
     a = p.parse_args()
     sched = [int(k) for part in a.schedule.split(",") for k in [part.split("*")[0]] * int(part.split("*")[1])]
     apply()
-    print(json.dumps({"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "default"), "n": a.n}), flush=True)
+    if a.exact_catch_up:  # the way before catch-up widths were padded to recurring shapes
+        from worker.batch import drafts
+
+        drafts.CATCH_UP_PADDED = False
+    print(json.dumps({"exact_catch_up": a.exact_catch_up, "cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "default"), "n": a.n}), flush=True)
     run(a.n, sched, a.prompt, a.small, a.profile_from)
 
 

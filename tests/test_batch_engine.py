@@ -233,7 +233,8 @@ class OneRowInTurn(Scheduler):
         return RoundPlan({rows[(self.round // self.period) % len(rows)].request_id: 1})
 
 
-def test_a_draft_left_behind_catches_up_without_computing_the_rows_beside_it(pair, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_a_draft_left_behind_catches_up_without_computing_the_rows_beside_it(pair, padded, monkeypatch):
     """A row drafting after plain rounds first feeds what its draft lacks in a forward of its own
     slot: the joint rows beside it that feed nothing are not computed (padded to its lag, a probe's
     catch-up of one row among 8 took 0.99 s where alone it takes 0.12); outputs stay exact and
@@ -243,13 +244,14 @@ def test_a_draft_left_behind_catches_up_without_computing_the_rows_beside_it(pai
 
     def spy(batch, ids, rows, ks):
         forward = batch.forward
-        batch.forward = lambda rids, x, widths, **kw: computed.append((len(ids), x.shape[0])) or forward(rids, x, widths, **kw)
+        batch.forward = lambda rids, x, widths, **kw: computed.append((len(ids), x.shape[0], x.shape[1])) or forward(rids, x, widths, **kw)
         try:
             return catch_up(batch, ids, rows, ks)
         finally:
             del batch.forward
 
     monkeypatch.setattr(drafts, "catch_up", spy)
+    monkeypatch.setattr(drafts, "CATCH_UP_PADDED", padded)  # padded as off the CPU: to a power of two
     engine = Engine(pair.target, EngineConfig(max_active=4, prefill_step=16), pair.drafts["perturbed"])
     engine.scheduler = OneRowInTurn()
     reqs = {f"r{i}": joint(p, 40) for i, p in enumerate(PROMPTS[:4])}
@@ -257,7 +259,8 @@ def test_a_draft_left_behind_catches_up_without_computing_the_rows_beside_it(pai
         engine.submit(rid, req)
     checked, got = drive_checking_draft_states(engine)
     assert checked > 20 and engine.totals.joint.drafted >= 3
-    assert len(computed) >= 3 and all(joint_rows == 4 and rows == 1 for joint_rows, rows in computed)
+    assert len(computed) >= 3 and all(joint_rows == 4 and rows == 1 for joint_rows, rows, _ in computed)
+    assert not padded or all(w == drafts.catch_up_width(w) for _, _, w in computed)
     for rid, req in reqs.items():
         want = drive(Engine(pair.target, EngineConfig(max_active=1)),
                      {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]

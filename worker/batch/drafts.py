@@ -20,6 +20,8 @@ from worker.joint.sampling import token_probs
 from worker.sampling import process
 
 CATCH_UP_LAG = 4  # a draft lagging more tokens than this first feeds them in a forward of their own
+CATCH_UP_WIDTH = 8  # off the CPU that forward's width is a power of two from this: its shapes recur (a GPU
+CATCH_UP_PADDED = mx.default_device() != mx.cpu  # builds a graph for each new one; the CPU builds none)
 STEPS_BYTES = max(1 << 30, mx.device_info().get("memory_size", 0) // 32)  # a round keeps its draft's
 # states after each forward while they take at most this (1 GiB, or 1/32 of the device's memory)
 
@@ -57,11 +59,21 @@ def catch_up(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[in
     if not behind:
         return 0
     span = slice(behind[0], behind[-1] + 1)
-    feeds, width = feeds[span], max(map(len, feeds))
+    feeds, width = feeds[span], catch_up_width(max(map(len, feeds)))
     x = mx.array([f + [0] * (width - len(f)) for f in feeds])
     f = batch.forward(ids[span], x, [len(f) for f in feeds])
     batch.commit(f, [len(f) for f in feeds])
     return sum(map(len, feeds))
+
+
+def catch_up_width(n: int) -> int:
+    """The padded width of a catch-up forward whose longest row feeds n tokens."""
+    if not CATCH_UP_PADDED:
+        return n
+    width = CATCH_UP_WIDTH
+    while width < n:
+        width *= 2
+    return width
 
 
 def propose(batch: SlotBatch, ids: list[str], rows: dict[str, Row], ks: list[int], ys: mx.array) -> Drafts:
