@@ -106,6 +106,20 @@ def test_the_warm_up_for_a_gpu_catches_up_one_lagging_row_while_the_others_ride_
     assert drive(engine, {0: [("j", joint(PROMPTS[0], 12))]}) == {"j": alone["r"]}
 
 
+def test_the_warm_up_plays_each_padded_catch_up_width_where_catch_ups_are_padded(pair, monkeypatch):
+    """Where catch-ups are padded to recurring widths (off the CPU), the warm-up feeds the draft
+    each of them once on one row, a token short of the width (the masked path a catch-up takes)."""
+    monkeypatch.setattr(drafts, "CATCH_UP_PADDED", True)
+    monkeypatch.setattr(drafts, "CATCH_UP_WARMED", 32)
+    counting = CountingModel(pair.drafts["copy"].model)
+    engine = Engine(pair.target, EngineConfig(max_active=4), dataclasses.replace(pair.drafts["copy"], model=counting))
+    engine.warm_forwards()
+    assert {(1, 8), (1, 16), (1, 32)} <= set(counting.shapes) and (1, 64) not in counting.shapes
+    assert not engine.has_work() and len(engine.runner.draft) == 0
+    alone = drive(engine, {0: [("r", chat(PROMPTS[0], 12))]})
+    assert drive(engine, {0: [("j", joint(PROMPTS[0], 12))]}) == {"j": alone["r"]}
+
+
 @pytest.mark.parametrize("draft", ["copy", "perturbed"])
 def test_drafting_joint_rows_beside_baseline_rows_decode_as_each_alone(pair, draft):
     """Joint rows drafting every round (accepting all or some) in the batch's forward, with

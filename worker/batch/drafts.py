@@ -22,6 +22,7 @@ from worker.sampling import process
 CATCH_UP_LAG = 4  # a draft lagging more tokens than this first feeds them in a forward of their own
 CATCH_UP_WIDTH = 8  # off the CPU that forward's width is a power of two from this: its shapes recur (a GPU
 CATCH_UP_PADDED = mx.default_device() != mx.cpu  # builds a graph for each new one; the CPU builds none)
+CATCH_UP_WARMED = 256  # the warm-up plays each padded catch-up width up to this one
 STEPS_BYTES = max(1 << 30, mx.device_info().get("memory_size", 0) // 32)  # a round keeps its draft's
 # states after each forward while they take at most this (1 GiB, or 1/32 of the device's memory)
 

@@ -107,8 +107,21 @@ class BatchRunner:
                 f = batch.forward([WARM], mx.array([tokens[:w]], dtype=mx.uint32), [w], record=record)
                 batch.commit(f, [1] if record else [w])
                 mx.eval(batch.arrays())
+            if batch is self.draft and dr.CATCH_UP_PADDED and tokens:
+                self._warm_catch_ups(tokens)
             batch.remove(WARM)
         self._warm_rounds(tokens, widest, mx.default_device() != mx.cpu if every_shape is None else every_shape)
+
+    def _warm_catch_ups(self, tokens: list[int]) -> None:
+        """The draft's catch-up forwards on one row at their padded widths up to CATCH_UP_WARMED
+        (a real width one short: the masked path a catch-up takes)."""
+        width = dr.catch_up_width(dr.CATCH_UP_LAG + 1)
+        while width <= dr.CATCH_UP_WARMED:
+            fed = (tokens * (width // len(tokens) + 1))[: width - 1]
+            f = self.draft.forward([WARM], mx.array([fed + [0]], dtype=mx.uint32), [width - 1])
+            self.draft.commit(f, [width - 1])
+            mx.eval(self.draft.arrays())
+            width = dr.catch_up_width(width + 1)
 
     def _warm_rounds(self, tokens: list[int], widest: int, gpu: bool) -> None:
         """A plain round, then drafting rounds at the narrowest and widest depth, of two joint rows
