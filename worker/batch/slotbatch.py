@@ -143,7 +143,7 @@ class SlotBatch:
         rolling = [self.rolling.get(r) for r in ids] if self.rolling else None
         for layer in self.layers:
             if isinstance(layer, SlotKV):
-                views.append(layer.view(span, pos, rolling if layer.window is None else None))
+                views.append(layer.view(span, pos, rolling if layer.window is None else None, tokens.shape[1]))
             else:
                 rows = layer.rows(span)
                 before.append(rows)

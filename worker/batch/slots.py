@@ -156,9 +156,11 @@ class SlotKV:
         for part, new in zip(self.parts(), k + v):
             part[slot: slot + 1, :, :length, :] = new
 
-    def view(self, span: Span, offsets: mx.array, rolling: Optional[list[Optional["Rolling"]]] = None) -> "KVView":
-        """The view a forward of these rows passes the model (quantized: in the form `attend()` chose)."""
-        return self.view_kind(self, span, offsets, rolling)
+    def view(self, span: Span, offsets: mx.array, rolling: Optional[list[Optional["Rolling"]]] = None,
+             width: Optional[int] = None) -> "KVView":
+        """The view a forward of these rows passes the model (quantized: in the form `attend()` chose);
+        `width`: the forward's tokens a row, padding included (default: its widest row's)."""
+        return self.view_kind(self, span, offsets, rolling, width)
 
     @property
     def nbytes(self) -> int:
@@ -172,9 +174,11 @@ def _round(n: int) -> int:
 class KVView:
     """mlx-lm's attention-cache protocol over one forward's rows of a SlotKV."""
 
-    def __init__(self, slab: SlotKV, span: Span, offsets: mx.array, rolling: Optional[list[Optional[Rolling]]] = None):
+    def __init__(self, slab: SlotKV, span: Span, offsets: mx.array, rolling: Optional[list[Optional[Rolling]]] = None,
+                 width: Optional[int] = None):
         self.slab, self.span, self.offset = slab, span, offsets
-        self.upto = max(span.lengths) + span.width
+        # keys up to every position written, padding too: a "causal" mask aligns the queries with the last keys
+        self.upto = max(span.lengths) + (span.width if width is None else width)
         past = rolling and any(r is not None and n + span.width > r.window for r, n in zip(rolling, span.lengths))
         self.rolling = rolling if past else None  # only once a row's queries pass its window
 
@@ -187,8 +191,7 @@ class KVView:
         within the window on sliding layers."""
         window = window_size or self.slab.window
         plain = window is None and self.rolling is None
-        # "causal" aligns the queries with the last keys: only where no row is padded past its width
-        if self.span.even and plain and not return_array and n == self.span.width and (n == 1 or n >= CAUSAL_FROM):
+        if self.span.even and plain and not return_array and (n == 1 or n >= CAUSAL_FROM):
             return None if n == 1 else "causal"
         q = self.offset[:, None] + mx.arange(n)[None]  # [B, n]
         k = mx.arange(self.upto)
