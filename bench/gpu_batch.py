@@ -324,7 +324,10 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
 
     apply()
     from bench import gpu_models as gb
+    from worker.memory import bound_buffer_cache
 
+    if not args.unbounded_cache:
+        bench.progress(f"MLX's buffer cache capped at {bound_buffer_cache() / (1 << 30):.1f} GiB, as the worker caps it")
     tcfg, dcfg = dict(gb.TARGET_9B), dict(gb.DRAFT_08B)
     if args.small:
         tcfg.update(gb.SMALL)
@@ -445,6 +448,8 @@ def add_command(benches) -> None:
                    help="the draft path before the one launch ran on the batch's slots: kernels a sublayer, one token wide")
     p.add_argument("--slab-scatter", action="store_true",
                    help="attention slabs written by MLX's scatter, as before the in-place write (which may copy them)")
+    p.add_argument("--unbounded-cache", action="store_true",
+                   help="leave MLX's buffer cache at its default limit, as before the worker capped it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_gpu_batch)
 

@@ -169,3 +169,21 @@ def test_launch_stack_passes_memory_flags_to_the_worker(tmp_path):
     assert worker_memory_args(a) == ["--context-overflow", "truncate-middle", "--idle-unload-s", "30.0",
                                      "--adapter-path", str(tmp_path), "--max-context", "512"]
     assert worker_memory_args(parse_args([])) == []
+
+
+def test_the_buffer_cache_is_capped_on_a_gpu_and_left_alone_on_the_cpu():
+    """On a GPU the worker caps MLX's buffer cache at GPU_CACHE_SHARE of MLX's memory limit (an
+    H100's grew to 59 GiB without: docs/memory.md); off one it leaves MLX's own limit."""
+    import mlx.core as mx
+
+    from worker.memory import GPU_CACHE_SHARE, bound_buffer_cache
+
+    before = mx.set_cache_limit(1 << 20)
+    mx.set_cache_limit(before)
+    try:
+        assert bound_buffer_cache() == 0 and mx.set_cache_limit(before) == before  # this machine's CPU
+        cap = bound_buffer_cache(gpu=True)
+        assert cap == int(mx.get_memory_limit() * GPU_CACHE_SHARE) and 0 < cap < mx.get_memory_limit()
+        assert mx.set_cache_limit(before) == cap
+    finally:
+        mx.set_cache_limit(before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -21,6 +22,10 @@ from worker.kvformat import NATIVE, KVFormat
 MAX_ACTIVE = {"gpu": 64, "cpu": 16}
 PREFILL_STEP = {"gpu": 512, "cpu": 128}  # prompt tokens a round: a CPU takes ~1 s for 128 (docs/benchmarks.md, "bench batch")
 CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
+# MLX's buffer cache on a GPU may hold at most this share of MLX's memory limit (by default the limit
+# itself): a 9B model's cache filled 59 GiB of an 80 GB GPU in 64 rounds, and the driver's own
+# allocations then failed (docs/memory.md, "MLX's buffer cache while serving")
+GPU_CACHE_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -75,3 +80,15 @@ def default_budget(weights: int) -> int:
     else:
         total = int(CPU_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return max(1 << 30, total - weights)
+
+
+def bound_buffer_cache(gpu: Optional[bool] = None) -> int:
+    """Caps MLX's buffer cache on a GPU (`gpu`: default, whether MLX's device is one) at
+    GPU_CACHE_SHARE of MLX's memory limit and returns the cap; 0 on the CPU, whose cache MLX
+    already keeps small."""
+    if not (mx.default_device() == mx.gpu if gpu is None else gpu):
+        return 0
+    cap = int(mx.get_memory_limit() * GPU_CACHE_SHARE)
+    mx.set_cache_limit(cap)
+    return cap
+

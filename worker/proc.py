@@ -388,6 +388,8 @@ def build_engine(args: argparse.Namespace, lm: LoadedModel, draft: Optional[Load
     problem = format_problem(config.kv, attention_shapes(lm.model))
     if problem:
         raise ValueError(problem)
+    if cap := memory.bound_buffer_cache():
+        log.info("MLX's buffer cache capped at %.1f GiB", cap / (1 << 30))
     return make(lm, config, draft)
 
 
