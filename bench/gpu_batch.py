@@ -347,18 +347,28 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
     bench.progress(f"slab write in place against the scatter: {fig['slab_write']}")
     rows = []
     for n in args.ns:
-        runs = _measure(args, target, draft, vocab, n)
+        try:
+            runs = _measure(args, target, draft, vocab, n)
+        except RuntimeError as e:  # MLX out of device memory: the Ns measured so far still report
+            fig["stopped"] = f"N={n}: {e}"
+            bench.progress(f"stopped at {fig['stopped']}")
+            break
         roof = roofline(target, copy_bps, weight_bytes, n, args.prompt_tokens + args.tokens // 2)
         fig["ns"][n] = f = _figures(runs, roof)
+        bench.progress(f"N={n} figures: " + "; ".join(  # a run cut short keeps each finished N's
+            f"{name} {c['tokens_per_s']:.1f} tok/s ({c['per_repeat']}) {c.get('vs', '')} {c.get('drafted', '')}"
+            for name, c in f["configs"].items()))
         for name, c in f["configs"].items():
             rows.append((str(n), name, f"{c['tokens_per_s']:.1f}", c["per_repeat"], c.get("vs", ""),
                          c.get("drafted", "")))
+    if not fig["ns"]:
+        return 1
     fig["goals"] = _goals(fig)
     fig["ratio"] = min(f["configs"]["plain"]["vs_bg"] for f in fig["ns"].values())
     bench.print_report("verity bench gpu-batch", rows, ("N", "configuration", "tok/s (all repeats)",
                                                         "tok/s per repeat", "ratio (whole run; pairs)",
                                                         "drafted/accepted per repeat"), fig, args.json, _footer(fig))
-    return 0
+    return 1 if "stopped" in fig else 0
 
 
 def _whole(runs: list[Run]) -> float:
@@ -420,11 +430,15 @@ def _verdict(c: dict, key: str, goal: float) -> str:
 def _footer(fig: dict) -> str:
     return (f"device {fig['device']}, copy {fig['copy_bandwidth_GBps']:.0f} GB/s; weights {fig['weights']} "
             f"({fig['weight_bytes_per_step'] / 2**20:.0f} MiB a step); α by the draft's intent; joint "
-            f"schedulers cold at the first timed repeat; goals: {fig['goals']}; plain ÷ roofline: "
+            f"schedulers cold at the first timed repeat; {_stopped(fig)}goals: {fig['goals']}; plain ÷ roofline: "
             + ", ".join(f"N={n} {f['plain_vs_roofline']:.0%}" for n, f in fig["ns"].items())
             + "; '= BG rows': " + ", ".join(f"N={n} {f['rows_equal_bg']}" for n, f in fig["ns"].items())
             + "; rows ≠ plain's, all repeats (plain: ≠ the first plain's): " + ", ".join(
                 f"N={n} plain {_differing(f, True)}, joint {_differing(f, False)}" for n, f in fig["ns"].items()))
+
+
+def _stopped(fig: dict) -> str:
+    return f"STOPPED at {fig['stopped']}; " if "stopped" in fig else ""
 
 
 def _differing(f: dict, plain: bool) -> int:

@@ -90,3 +90,25 @@ def test_goals_follow_both_issues_and_give_a_lower_alpha_its_own_goal():
         "N=32 plain at ≥ 50% of the roofline": "met",
         "N=64 plain ÷ BG ≥ 1.3": "missed", "N=64 adaptive α=0.8 ÷ plain ≥ 0.97": "met",
         "N=64 plain at ≥ 60% of the roofline": "missed"}
+
+
+def test_a_run_out_of_device_memory_still_reports_the_ns_it_finished(monkeypatch, capsys):
+    """MLX's out-of-memory error at one N ends the run, but the table and footer carry every N
+    measured before it, and each finished N prints its figures at once (a run cut off keeps them)."""
+    benches = argparse.ArgumentParser().add_subparsers()
+    gb.add_command(benches)
+    args = benches.choices["gpu-batch"].parse_args(
+        ["--small", "--ns", "2", "4", "--alphas", "0.8", "--mixed", "--repeats", "1", "--tokens", "6"])
+    measure = gb._measure
+
+    def out_of_memory_at_4(args, target, draft, vocab, n):
+        if n == 4:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return measure(args, target, draft, vocab, n)
+
+    monkeypatch.setattr(gb, "_measure", out_of_memory_at_4)
+    assert gb.run_gpu_batch(args) == 1
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert "N=2 figures: bg" in text and "stopped at N=4: cudaMallocAsync" in text
+    assert "STOPPED at N=4" in text and "N=2 plain ÷ BG" in text and "N=4 plain" not in text
