@@ -349,7 +349,7 @@ def run_gpu_batch(args: argparse.Namespace) -> int:
     for n in args.ns:
         try:
             runs = _measure(args, target, draft, vocab, n)
-        except RuntimeError as e:  # MLX out of device memory: the Ns measured so far still report
+        except RuntimeError as e:  # MLX's errors (out of device memory): the Ns measured so far still report
             fig["stopped"] = f"N={n}: {e}"
             bench.progress(f"stopped at {fig['stopped']}")
             break

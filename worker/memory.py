@@ -22,9 +22,8 @@ from worker.kvformat import NATIVE, KVFormat
 MAX_ACTIVE = {"gpu": 64, "cpu": 16}
 PREFILL_STEP = {"gpu": 512, "cpu": 128}  # prompt tokens a round: a CPU takes ~1 s for 128 (docs/benchmarks.md, "bench batch")
 CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
-# MLX's buffer cache on a GPU may hold at most this share of MLX's memory limit (by default the limit
-# itself): a 9B model's cache filled 59 GiB of an 80 GB GPU in 64 rounds, and the driver's own
-# allocations then failed (docs/memory.md, "MLX's buffer cache while serving")
+# MLX's buffer cache on a GPU holds at most this share of MLX's memory limit (MLX's default: all of
+# it, which leaves the driver's own allocations none; docs/memory.md, "MLX's buffer cache while serving")
 GPU_CACHE_SHARE = 1 / 8
 
 
@@ -91,4 +90,3 @@ def bound_buffer_cache(gpu: Optional[bool] = None) -> int:
     cap = int(mx.get_memory_limit() * GPU_CACHE_SHARE)
     mx.set_cache_limit(cap)
     return cap
-
