@@ -22,8 +22,8 @@ from worker.kvformat import NATIVE, KVFormat
 MAX_ACTIVE = {"gpu": 64, "cpu": 16}
 PREFILL_STEP = {"gpu": 512, "cpu": 128}  # prompt tokens a round: a CPU takes ~1 s for 128 (docs/benchmarks.md, "bench batch")
 CPU_SHARE = 0.5  # of the machine's memory, less the weights, where MLX's device shares it with the host
-# MLX's buffer cache on a GPU holds at most this share of MLX's memory limit (MLX's default: all of
-# it, which leaves the driver's own allocations none; docs/memory.md, "MLX's buffer cache while serving")
+# MLX's buffer cache on a GPU holds at most this share of MLX's memory limit (MLX's default: the whole
+# limit, which crowds out the driver's own allocations; docs/memory.md, "MLX's buffer cache while serving")
 GPU_CACHE_SHARE = 1 / 8
 
 
