@@ -17,6 +17,7 @@ from joint_fixtures import load_pair
 from protocol import messages as m
 from test_batching import CountingModel, chat, divergences_off_near_ties, drive
 from worker.batch import drafts
+from worker.batch import runner as runner_module
 from worker.engine import Engine, EngineConfig
 from worker.round import RoundInput, RoundPlan
 from worker.scheduler import POSITIONS, Scheduler
@@ -278,6 +279,32 @@ def test_a_draft_left_behind_catches_up_without_computing_the_rows_beside_it(pai
     for rid, req in reqs.items():
         want = drive(Engine(pair.target, EngineConfig(max_active=1)),
                      {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_a_leaving_row_s_slot_pads_the_target_s_forwards_till_the_rows_fill_a_power_of_two(pair, padded, monkeypatch):
+    """Off the CPU a decoding row that leaves (finished or cancelled) keeps its slot in the
+    target's forwards, fed a token nobody reads, until the rows left fill a power of two: six rows
+    ending at different rounds meet forwards of 6 rows or a power of two, never 5 or 3 (exact:
+    those too), and every output stays its own while rows draft in waves beside them."""
+    monkeypatch.setattr(runner_module, "ROWS_PADDED", padded)
+    counting = CountingModel(pair.target.model)
+    engine = Engine(dataclasses.replace(pair.target, model=counting), EngineConfig(max_active=6, prefill_step=64),
+                    pair.drafts["perturbed"])
+    engine.scheduler = Waves(k=2, period=3, on=range(1, 2))
+    reqs = {f"r{i}": (joint if i % 2 else chat)(p, 8 + 3 * i) for i, p in enumerate(PROMPTS)}
+    got = drive(engine, {0: list(reqs.items())}, cancels={7: ["r5"]})
+    rows = {shape[0] for shape in counting.shapes}
+    assert len(rows) >= 3 and 6 in rows and (rows <= {6, 4, 2, 1}) == padded, rows
+    assert engine.totals.joint.drafted > 0 and not engine.runner.padding and len(engine.runner.target) == 0
+    for rid, req in reqs.items():
+        want = drive(Engine(pair.target, EngineConfig(max_active=1)),
+                     {0: [("x", msgspec.structs.replace(req, mode="baseline"))]})["x"]
+        if rid == "r5":
+            assert 0 < len(got[rid]) < req.max_tokens and got[rid] == want[: len(got[rid])]
+            continue
+        assert len(got[rid]) == req.max_tokens
         assert divergences_off_near_ties(pair.target, req, got[rid], want) == 0, (rid, got[rid], want)
 
 

@@ -32,6 +32,9 @@ from worker.state.checkpoint import install_recording
 
 WARM = "\x00warm"  # the warm-up's row
 DRAFT_TIMED_EVERY = 8  # off the CPU, one drafting round in this many waits for its draft, so its step is timed
+ROWS_PADDED = mx.default_device() != mx.cpu  # off the CPU a decoding row that leaves keeps its slot in the
+# target's forwards (fed a token nobody reads) until the rows left fill a power of two: a forward's row count
+# recurs (a GPU builds graphs for each new one; docs/design.md, "Padding slots")
 
 
 @dataclass
@@ -91,6 +94,7 @@ class BatchRunner:
         self.cost = PrefillCost(prefill_step, default_bound_s())  # each round's chunk by its cost (worker/prefill_cost.py)
         self.rows: dict[str, Row] = {}
         self._last: Optional[tuple[list[str], mx.array]] = None  # the last plain round's rows and tokens
+        self.padding: list[str] = []  # slots of decoding rows that left, riding in the target's forwards
         self._drafting_rounds = 0
 
     def warm(self, tokens: list[int], widest: int, every_shape: Optional[bool] = None) -> None:
@@ -150,6 +154,7 @@ class BatchRunner:
             mx.eval(self.target.arrays(), self.draft.arrays())
         for rid in ids:
             self.leave(rid)
+        self._fit_padding(0)
 
     # ---- membership ----
 
@@ -158,6 +163,9 @@ class BatchRunner:
         """A row joins to prefill its prompt past the `cached` tokens its caches hold."""
         if row.joint and self.draft is None:
             raise ValueError("a joint row needs a draft")
+        if row.id in self.padding:  # its old slot is padding still
+            self.padding.remove(row.id)
+            self.target.remove(row.id)
         cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
         row.fed, row.seq = cached, list(row.prompt[:-1])
         self.rows[row.id] = row
@@ -171,13 +179,25 @@ class BatchRunner:
         row = self.rows.pop(rid, None)
         if row is None:
             return
+        decoding = row.phase == Phase.DECODE
         row.phase = advance(row.phase, Phase.DONE) if row.phase != Phase.DONE else row.phase
-        self.target.remove(rid)
+        if decoding and ROWS_PADDED:
+            self.padding.append(rid)
+        else:
+            self.target.remove(rid)
         if self.draft is not None:
             self.draft.remove(rid)
+        self._fit_padding(len(self.decoding()))
+
+    def _fit_padding(self, live: int) -> None:
+        """Padding slots stay while they and the `live` decoding rows fill the power of two those
+        rows need (none once no row decodes)."""
+        fill = 1 << max(live - 1, 0).bit_length() if live else 0
+        while self.padding and live + len(self.padding) > fill:
+            self.target.remove(self.padding.pop())
 
     def decoding(self) -> list[str]:
-        return [r for r in self.target.order if self.rows[r].phase == Phase.DECODE]
+        return [r for r in self.target.order if r in self.rows and self.rows[r].phase == Phase.DECODE]
 
     def prefill_next(self) -> int:
         """Prompt tokens the next round prefills."""
@@ -231,7 +251,7 @@ class BatchRunner:
     def _feed(self, batch: SlotBatch, chunks: dict[str, list[int]], fed: dict[str, int]) -> None:
         """One forward of the rows' chunks (rows of none sit it out) in the batch's rows after
         its decoding ones."""
-        decoding = {r for r in batch.order if self.rows[r].phase == Phase.DECODE}
+        decoding = {r for r in batch.order if r not in self.rows or self.rows[r].phase == Phase.DECODE}  # padding too
         batch.arrange(decoding)
         ids = [r for r in batch.order if r not in decoding]
         if not ids or not any(chunks.get(r) for r in ids):
@@ -260,7 +280,8 @@ class BatchRunner:
 
     def decode(self, plan: dict[str, int]) -> Decoded:
         """The round's forward of every decoding row; `plan`: drafts per joint row."""
-        self.target.arrange({r for r in self.rows if self.rows[r].phase == Phase.DECODE})
+        self._fit_padding(len(self.decoding()))
+        self.target.arrange({r for r in self.rows if self.rows[r].phase == Phase.DECODE} | set(self.padding))
         ids = self.decoding()
         if not ids:
             return Decoded()
@@ -273,12 +294,12 @@ class BatchRunner:
     def _plain(self, ids: list[str], ys: mx.array) -> Decoded:
         """Pipelined: the next tokens are queued before the pending ones are read."""
         rows = [self.rows[r] for r in ids]
-        f = self.target.forward(ids, ys[:, None], [1] * len(ids))
+        f = self._forward(ids, ys[:, None], [1] * len(ids))
         tokens, lps = select.plain(rows, f.logits[:, 0], ys)
         if kv_write.settles():
             mx.synchronize()
         mx.async_eval(tokens, *[lp for lp in lps if lp is not None])
-        self.target.commit(f, [1] * len(ids))
+        self._commit(f, ids, [1] * len(ids))
         values = ys.tolist()
         out = Decoded()
         for i, (row, y) in enumerate(zip(rows, values)):
@@ -311,10 +332,10 @@ class BatchRunner:
             mx.async_eval(drafts.tokens)
         width = 1 + max(ks)
         x = self._verify_inputs(ids, jids, drafts.tokens, ys, width)
-        f = self.target.forward(ids, x, [1 + k for k in ks], record=self.recovery == "fast")
+        f = self._forward(ids, x, [1 + k for k in ks], record=self.recovery == "fast")
         keep, accepted = self._accept(ids, ks, ys, drafts, f, out)
         t2 = time.perf_counter()
-        self.target.commit(f, keep)
+        self._commit(f, ids, keep)
         dr.recover(self.draft, drafts, self.rows, accepted)
         if mx.default_device() == mx.cpu:
             mx.eval(self.target.arrays(), self.draft.arrays())
@@ -325,6 +346,26 @@ class BatchRunner:
                 self.rows[rid].stats.recovery_s += time.perf_counter() - t2
         self._last = None
         return out
+
+    def _forward(self, ids: list[str], x: mx.array, widths: list[int], record: bool = False):
+        """The target's forward of the decoding rows `ids` (x [B, W], in slot order) with the
+        padding slots among them, each fed token 0 at width 1; its logits are the rows' of `ids`."""
+        if not self.padding:
+            return self.target.forward(ids, x, widths, record=record)
+        slots = self.target.order[: len(ids) + len(self.padding)]
+        at = {r: i for i, r in enumerate(ids)}
+        picks = mx.array([at.get(r, len(ids)) for r in slots])
+        xs = mx.concatenate([x, mx.zeros((1, x.shape[1]), x.dtype)])[picks]
+        f = self.target.forward(slots, xs, [widths[at[r]] if r in at else 1 for r in slots], record=record)
+        f.logits = f.logits[mx.array([i for i, r in enumerate(slots) if r in at])]
+        return f
+
+    def _commit(self, f, ids: list[str], keep: list[int]) -> None:
+        """Each row of `ids` keeps keep[i] positions of the forward; a padding slot its one."""
+        if f.ids != ids:
+            at = {r: k for r, k in zip(ids, keep)}
+            keep = [at.get(r, 1) for r in f.ids]
+        self.target.commit(f, keep)
 
     def _verify_inputs(self, ids: list[str], jids: list[str], proposed: mx.array, ys: mx.array, width: int) -> mx.array:
         """[B, width]: each row's pending token, then its proposals (padding past them)."""
