@@ -96,3 +96,24 @@ def test_a_log_written_before_the_padding_replays_with_the_prior_it_had():
     assert replay([json.dumps({**rec, **old.to_log()})]) == []  # no "padding": the prior before
     assert replay([json.dumps({**rec, "padding": True, **new.to_log()})]) == []
     assert replay([json.dumps({**rec, **new.to_log()})]) != []
+
+
+# gpu-batch N = 8, 4 rows joint, on an H100 (d147a28): depth 2 measured under depth 1, 3.7 ms a draft step
+MIXED_8 = {Cell(8, 0, 0): 0.0081, Cell(8, 1, 1): 0.0222, Cell(8, 2, 2): 0.0211}
+MIXED_STEP = {8: 0.00373}
+
+
+def test_a_depth_measured_under_the_one_before_prices_no_depth_at_nothing():
+    """Depth 2 measured under depth 1 (within their noise) priced every depth past it at nothing:
+    depth 8 at depth 2's 21.1 ms, drafted at 34-51 ms a round. With `rising` only the drafting
+    depths' rising steps count, none here: the prior's quarter of a plain round a depth, and plain
+    rounds win. Where depths rise, the price is as before."""
+    counts = dict.fromkeys(MIXED_8, 2) | {Cell(8, 0, 0): 19}
+    free = estimate(MIXED_8, 8, 32, 8, counts, MIXED_STEP)
+    rising = estimate(MIXED_8, 8, 32, 8, counts, MIXED_STEP, rising=True)
+    assert free == pytest.approx(0.0211) and rising == pytest.approx(0.0211 + 6 * 0.25 * 0.0081)
+    acceptance = [[0.77, 0.96, 0.92, 0.92, 0.92, 0.92, 0.92, 0.92]] * 4
+    assert decide(acceptance, 8, MIXED_8, 32, counts=counts, draft_step=MIXED_STEP, lead=1.05).allocation == [8] * 4
+    assert decide(acceptance, 8, MIXED_8, 32, counts=counts, draft_step=MIXED_STEP, lead=1.05, rising=True).budget == 0
+    steady = {Cell(1, 0, 0): 0.0077, Cell(1, 1, 1): 0.0178, Cell(1, 2, 2): 0.0185, Cell(1, 4, 4): 0.0200}
+    assert estimate(steady, 1, 6, 6, draft_step={1: 0.0052}, rising=True) == estimate(steady, 1, 6, 6, draft_step={1: 0.0052})

@@ -67,7 +67,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
            explore_plain: bool = False, draft_step: Steps = None,
            explore_margin: float | None = EXPLORE_MARGIN, pad: bool = True,
            probe_rows: Sequence[int] | None = None, probe_depth: int = PROBE_DEPTH, halted: bool = False,
-           step_by_step: bool = False, lead: float = 1.0) -> Decision:
+           step_by_step: bool = False, lead: float = 1.0, rising: bool = False) -> Decision:
     """B* = argmax over B in 0..b_max of (N + sum of the B largest survivals) / cost(N, B, D(B)).
 
     `acceptance` has one row per joint request (baseline requests count in N only). Candidates
@@ -83,8 +83,9 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
     `estimate`; `halted`: the never-lose rule stopped drafting (window.py): the round drafts
     nothing, probes neither; `step_by_step`: no deeper than `depth_limit` (False: as logs written
     before it were); `lead`: what drafting must lead plain rounds by (DRAFT_LEAD; 1.0: as logs
-    written before it were). Returns the inputs' derived values and the choice, as logged and
-    replayed.
+    written before it were); `rising`: extrapolate from the drafting depths' rising steps only
+    (`estimate`; False: as logs written before it were). Returns the inputs' derived values and
+    the choice, as logged and replayed.
     """
     surv = [survivals(a) for a in acceptance]
     ranked = rank(surv)
@@ -98,7 +99,7 @@ def decide(acceptance: Sequence[Sequence[float]], n_requests: int, table: dict[C
             lengths[r], d = max(lengths[r], j), max(d, j)
         if deepest is not None and d > deepest:
             break  # B grows with D: every budget past here is deeper
-        cost = estimate(table, n_requests, b, d, counts, draft_step, pad)
+        cost = estimate(table, n_requests, b, d, counts, draft_step, pad, rising)
         if cost is None and b == 0:
             cost = 1.0  # nothing measured yet: start plain, which measures B = 0
         if cost is not None:

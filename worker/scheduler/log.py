@@ -65,7 +65,8 @@ def decide_again(rec: dict) -> Decision:
                   cells_from_log(rec.get("cost_counts")), rec.get("behind"), rec.get("switch_s", 0.0), rec.get("stop_s", 0.0),
                   rec.get("explore_plain", False), _draft_steps(rec), rec.get("explore_margin", EXPLORE_MARGIN),
                   rec.get("padding", False), rec.get("probe_rows"), rec.get("probe_depth", PROBE_DEPTH),
-                  rec.get("halted", False), rec.get("step_by_step", False), rec.get("lead", 1.0))
+                  rec.get("halted", False), rec.get("step_by_step", False), rec.get("lead", 1.0),
+                  rec.get("rising_steps", False))
 
 
 def _draft_steps(rec: dict) -> dict[int, float] | float | None:

@@ -154,7 +154,7 @@ class Scheduler:
         margin = self._explore_margin(n_requests, plain_rounds)
         b_max = self.round_budget(n_requests)
         d = decide(rates, n_requests, table, b_max, probe, counts, behind, switch_s, stop_s, explore, draft_steps, margin,
-                   True, rows, depth, halted, True, DRAFT_LEAD)
+                   True, rows, depth, halted, True, DRAFT_LEAD, rising=True)
         self._drafting_best[n_requests] = _best_drafting(d.candidates)
         if d.budget:
             self._plain_every[n_requests] = plain_probe_interval(d, n_requests, restart, (discard or 0.0) if pipelined else 0.0)
@@ -167,6 +167,7 @@ class Scheduler:
                               "explore_margin": margin, "draft_step_s": draft_steps.get(n_requests),
                               "draft_steps_s": {str(k): v for k, v in draft_steps.items()}, "padding": True,
                               "probe_rows": rows, "probe_depth": depth, "halted": halted, "step_by_step": True, "lead": DRAFT_LEAD,
+                              "rising_steps": True,
                               **d.to_log()})
         return d, probe, decide_s, margin
 

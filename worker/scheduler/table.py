@@ -108,7 +108,7 @@ def depth_limit(table: dict[Cell, float], n: int, draft_step: Steps = None) -> i
 
 
 def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell, int] | None = None,
-             draft_step: Steps = None, pad: bool = True) -> float | None:
+             draft_step: Steps = None, pad: bool = True, rising: bool = False) -> float | None:
     """Cost of a round from a table (`CostModel.table()`, or a logged one); None when nothing of this N is known.
 
     A round never costs more than a measured one that does more work (at least as many tokens
@@ -116,25 +116,28 @@ def estimate(table: dict[Cell, float], n: int, b: int, d: int, counts: dict[Cell
     MIN_SAMPLES rounds costs at most what its neighbours imply: one slow first round (a
     neighbour's load, a first allocation) must not price a cell out of ever being measured again.
     `draft_step`: the measured drafting seconds a depth, by N (see `_interpolate`); `pad`: a depth past
-    the deepest measured costs at least its `padding` (False: as logs written before it were).
+    the deepest measured costs at least its `padding` (False: as logs written before it were); `rising`:
+    see `_interpolate` (False: as logs written before it were).
     """
-    cost = _interpolate(table, n, b, d, draft_step, pad)
+    cost = _interpolate(table, n, b, d, draft_step, pad, rising)
     key = Cell(n, b, d)
     if cost is not None and counts is not None and key in table and counts.get(key, 0) < MIN_SAMPLES:
-        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step, pad)
+        others = _interpolate({k: v for k, v in table.items() if k != key}, n, b, d, draft_step, pad, rising)
         cost = cost if others is None else min(cost, others)
     bounds = [v for k, v in table.items() if _dominates(k, n, b, d) and (counts is None or counts.get(k, 0) >= MIN_SAMPLES)]
     return min([cost] + bounds) if cost is not None else None
 
 
 def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: Steps = None,
-                 pad: bool = True) -> float | None:
+                 pad: bool = True, rising: bool = False) -> float | None:
     """A cell's own figure; else along B among cells of its (N, D), else along D from the cheapest
     cell of each measured depth; past the deepest measured depth from the nearest other N that
     measured it (scaled by the plain rounds' ratio), else at the cheapest step per depth measured
     so far (one drafting depth measured: PRIOR_SLOPE × the plain round), and no more than
     `draft_step` a depth more. Optimistic, so that a deeper draft that might pay gets tried; but
-    with `pad`, past the deepest measured depth a depth costs at least its `padding`."""
+    with `pad`, past the deepest measured depth a depth costs at least its `padding`. With
+    `rising`, the steps are those between drafting depths that rose (one depth measured under the
+    one before, within their noise, priced every depth past it at nothing), else the prior."""
     exact = table.get(Cell(n, b, d))
     if exact is not None:
         return exact
@@ -142,7 +145,7 @@ def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: S
     if not cells:
         other = _stand_in(table, n)  # its plain round stands in for this N's until one is measured:
         # the ratios between candidates, which decide, carry over (an N's rounds cost about in proportion)
-        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step, pad)
+        return None if other is None else _interpolate(table, other, b * other // n, d, draft_step, pad, rising)
     same_d = {kb: v for kb, kd, v in cells if kd == d}
     if same_d:
         return _along(same_d, b)
@@ -156,10 +159,13 @@ def _interpolate(table: dict[Cell, float], n: int, b: int, d: int, draft_step: S
     if d > deepest and (scaled := _from_other_n(table, n, d)) is not None:
         return max(scaled, by_depth[deepest] + width * (d - deepest))
     depths = sorted(by_depth)
-    if sum(x >= 1 for x in depths) >= 2:  # the cheapest step per depth measured so far
-        slope = max(0.0, min((by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])))
+    steps = [(by_depth[b] - by_depth[a]) / (b - a) for a, b in zip(depths, depths[1:])]
+    if rising:  # a depth no dearer than the one before is noise: drafting steps only, and only those that cost
+        steps = [x for x, a in zip(steps, depths) if a >= 1 and x > 0]
+    if sum(x >= 1 for x in depths) >= 2 and steps:  # the cheapest step per depth measured so far
+        slope = max(0.0, min(steps))
     else:
         slope = CostModel.PRIOR_SLOPE * by_depth.get(0, by_depth[min(by_depth)])
-    if (step := step_at(draft_step, n)) is not None:  # a depth more costs at least its draft step; its verify
-        slope = min(slope, step)  # may cost no more ...
-    return by_depth[deepest] + max(slope, width) * (d - deepest)  # ... than the padding it adds
+    if (step := step_at(draft_step, n)) is not None:  # a depth more costs at most its draft step ...
+        slope = min(slope, step)
+    return by_depth[deepest] + max(slope, width) * (d - deepest)  # ... or the padding it adds, if more
