@@ -253,6 +253,8 @@ def main() -> None:
     p.add_argument("--check-one-row", action="store_true", help="check the one-launch draft step on the batch's slots")
     p.add_argument("--sublayers", action="store_true",
                    help="the draft path before the one launch ran on the batch's slots (a comparison)")
+    p.add_argument("--row-pads", type=int, nargs="+", default=None,
+                   help="the row counts a draft step of many rows pads to for the gemv kernels (8: as before 16 and 32)")
     a = p.parse_args()
     apply()
     import mlx.core as mx
@@ -276,6 +278,8 @@ def main() -> None:
     else:
         target, draft = gb.build(tcfg, gb.DTYPES["bf16"], 0), gb.build(dcfg, gb.DTYPES["bf16"], 1)
     forward = fast_draft.where_it_runs(draft)
+    if a.row_pads:
+        fast_draft.ROW_PADS = tuple(a.row_pads)
     if forward is not None and a.sublayers:
         forward = fast_draft.narrow_forward(draft, persistent=False, widest=1)
     runner = BatchRunner(target, draft, 2048, draft_forward=forward)

@@ -5,9 +5,10 @@ On a GPU a kernel launch costs the host 4-12 µs through MLX (docs/design.md, "D
 of them: 5-7 ms of dispatch for 1.5 GB of weights, as dear as a third of the 9 B step. These
 kernels do a sublayer's work in one launch each:
 
-- `gemv`: y = W·x over T ≤ MAX_T rows, optionally on rms_norm(x)·γ (the norm recomputed by
-  every block: x is 2-7 KB), optionally swiglu over two stacked weights, optionally plus a
-  residual. One warp per output row, 16-byte loads, float32 sums.
+- `gemv`: y = W·x over T rows (≤ MAX_T tokens of one sequence, or a batch's rows padded to
+  8, 16 or 32), optionally on rms_norm(x)·γ (the norm recomputed by every block: x is 2-7 KB),
+  optionally swiglu over two stacked weights, optionally plus a residual. One warp per output
+  row, 16-byte loads, float32 sums.
 - `gdn_step`: a Gated-DeltaNet layer between its in- and out-projection: the causal conv and its
   SiLU, the q/k l2-norms, the gates, the delta-rule recurrence over the T tokens and the gated
   RMSNorm. One block per value head, the state rows in registers.

@@ -181,14 +181,18 @@ def _pad(x: mx.array, rows: int) -> mx.array:
     return x if x.shape[0] == rows else mx.concatenate([x, mx.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
 
 
+ROW_PADS = (8, 16, 32)  # a draft step of many rows pads them to one of these for the gemv kernels (a compile
+# each); more rows take the gemvs' ops
+
+
 def forward_rows(model, inputs: mx.array, cache: list, layers: list[_Layer], kernel: bool) -> mx.array:
-    """Logits [R, 1, V] of R sequences' one token each on the batch's views. Up to dk.MAX_T rows
-    the stream is padded to dk.MAX_T rows, so each gemv kernel compiles once for every row count
-    (padded rows compute garbage nobody reads); more rows take the gemvs' ops."""
+    """Logits [R, 1, V] of R sequences' one token each on the batch's views. The stream is padded
+    to the least of ROW_PADS that holds the rows, so each gemv kernel compiles once for every row
+    count up to it (padded rows compute garbage nobody reads); more rows take the gemvs' ops."""
     text, R = model.language_model, inputs.shape[0]
-    rows = dk.MAX_T if R <= dk.MAX_T else R
+    rows = next((n for n in ROW_PADS if n >= R), R)
     h = text.model.embed_tokens(_pad(inputs, rows)).reshape(rows, -1)
-    kernel_gemv = kernel and rows == dk.MAX_T
+    kernel_gemv = kernel and rows in ROW_PADS
     for layer, w, c in zip(model.layers, layers, cache):
         if layer.is_linear:
             h = _gdn_rows(layer.linear_attn, w, h, R, c, kernel, kernel_gemv)
