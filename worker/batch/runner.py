@@ -410,10 +410,8 @@ class BatchRunner:
                 outcome: RowOutcome) -> int:
         """A drafting row's acceptance: its outcome gets the accepted drafts, its pending the
         target's own next token; returns how many drafts it accepted."""
-        logits = f.logits[i, : k + 1]
-        simple = select.simple(row)  # its verify's argmax is the batch's
-        if not simple:
-            logits = select.processed(row, logits, mx.array(drafted))
+        simple = select.simple(row)  # its verify's argmax is the batch's: its logits are not read
+        logits = None if simple else select.processed(row, f.logits[i, : k + 1], mx.array(drafted))
         n, own = select.accept(row, drafted, drafts.probs.get(row.id, []), logits, choices if simple else None,
                                row.output_position)
         lp = select.log_softmax(logits[: n + 1]) if row.sampling.logprobs is not None else None

@@ -61,10 +61,10 @@ def processed(row: Row, logits: mx.array, drafts: mx.array) -> mx.array:
     return logits if ctx is None else process(row.sampling.processors, ctx, logits)
 
 
-def accept(row: Row, drafted: list[int], qs: list, logits: mx.array, choices: Optional[list[int]],
+def accept(row: Row, drafted: list[int], qs: list, logits: Optional[mx.array], choices: Optional[list[int]],
            position: int) -> tuple[int, int]:
-    """(drafts accepted, the target's own next token) from the verify logits [k+1, V];
-    `choices`: their argmax where computed for the batch; `position`: output index of d1."""
+    """(drafts accepted, the target's own next token) from the verify logits [k+1, V] (None where
+    `choices`, their argmax computed for the batch, decide); `position`: output index of d1."""
     if row.acceptor is not None:
         return row.acceptor(drafted, logits, position, choices)
     params = row.sampling.params
