@@ -94,7 +94,6 @@ class BatchRunner:
         self.cost = PrefillCost(prefill_step, default_bound_s())  # each round's chunk by its cost (worker/prefill_cost.py)
         self.rows: dict[str, Row] = {}
         self._last: Optional[tuple[list[str], mx.array]] = None  # the last plain round's rows and tokens
-        self.padding: list[str] = []  # slots of decoding rows that left, riding in the target's forwards
         self._drafting_rounds = 0
 
     def warm(self, tokens: list[int], widest: int, every_shape: Optional[bool] = None) -> None:
@@ -163,8 +162,7 @@ class BatchRunner:
         """A row joins to prefill its prompt past the `cached` tokens its caches hold."""
         if row.joint and self.draft is None:
             raise ValueError("a joint row needs a draft")
-        if row.id in self.padding:  # its old slot is padding still
-            self.padding.remove(row.id)
+        if row.id in self.target and row.id not in self.rows:  # its old slot is padding still
             self.target.remove(row.id)
         cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
         row.fed, row.seq = cached, list(row.prompt[:-1])
@@ -181,20 +179,23 @@ class BatchRunner:
             return
         decoding = row.phase == Phase.DECODE
         row.phase = advance(row.phase, Phase.DONE) if row.phase != Phase.DONE else row.phase
-        if decoding and ROWS_PADDED:
-            self.padding.append(rid)
-        else:
+        if not (decoding and ROWS_PADDED):  # else its slot stays, padding
             self.target.remove(rid)
         if self.draft is not None:
             self.draft.remove(rid)
         self._fit_padding(len(self.decoding()))
 
+    @property
+    def padding(self) -> list[str]:
+        """The target's slots of rows that left: they ride in its forwards (ROWS_PADDED)."""
+        return [r for r in self.target.order if r not in self.rows]
+
     def _fit_padding(self, live: int) -> None:
         """Padding slots stay while they and the `live` decoding rows fill the power of two those
         rows need (none once no row decodes)."""
         fill = 1 << max(live - 1, 0).bit_length() if live else 0
-        while self.padding and live + len(self.padding) > fill:
-            self.target.remove(self.padding.pop())
+        for rid in self.padding[max(0, fill - live):]:
+            self.target.remove(rid)
 
     def decoding(self) -> list[str]:
         return [r for r in self.target.order if r in self.rows and self.rows[r].phase == Phase.DECODE]
@@ -281,7 +282,7 @@ class BatchRunner:
     def decode(self, plan: dict[str, int]) -> Decoded:
         """The round's forward of every decoding row; `plan`: drafts per joint row."""
         self._fit_padding(len(self.decoding()))
-        self.target.arrange({r for r in self.rows if self.rows[r].phase == Phase.DECODE} | set(self.padding))
+        self.target.arrange({r for r in self.target.order if r not in self.rows or self.rows[r].phase == Phase.DECODE})
         ids = self.decoding()
         if not ids:
             return Decoded()
@@ -350,9 +351,9 @@ class BatchRunner:
     def _forward(self, ids: list[str], x: mx.array, widths: list[int], record: bool = False):
         """The target's forward of the decoding rows `ids` (x [B, W], in slot order) with the
         padding slots among them, each fed token 0 at width 1; its logits are the rows' of `ids`."""
-        if not self.padding:
-            return self.target.forward(ids, x, widths, record=record)
         slots = self.target.order[: len(ids) + len(self.padding)]
+        if slots == ids:
+            return self.target.forward(ids, x, widths, record=record)
         at = {r: i for i, r in enumerate(ids)}
         picks = mx.array([at.get(r, len(ids)) for r in slots])
         xs = mx.concatenate([x, mx.zeros((1, x.shape[1]), x.dtype)])[picks]
